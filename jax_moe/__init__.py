@@ -1,0 +1,12 @@
+"""jax-moe: expert-parallel MoE dispatch/combine for JAX (see DESIGN.md)."""
+
+from jax_moe.communicator import Communicator, Dispatched, available_backends
+from jax_moe.config import MoEConfig
+from jax_moe.errors import CommError, ErrorCode, Stage
+from jax_moe.native import build_info
+from jax_moe.quantization import dequantize_fp8, quantize_fp8
+
+__all__ = [
+    "CommError", "Communicator", "Dispatched", "ErrorCode", "MoEConfig", "Stage",
+    "available_backends", "build_info", "dequantize_fp8", "quantize_fp8",
+]

@@ -1,0 +1,45 @@
+"""Run-time errors of a Communicator: the error word's codes and CommError.
+
+Kernels (and the xla backend's host callback) record the first error of a communicator as
+four int32 words `(code, stage, rank, detail)`; `Communicator.check()` raises it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.IntEnum):
+  OK = 0
+  INVALID_EXPERT_ID = 1   # detail: the offending id
+  CAPACITY_OVERFLOW = 2   # detail: rows that needed a place
+  TIMEOUT = 3             # detail: the peer rank waited for
+  BAD_NUM_TOKENS = 4      # detail: the value given
+
+
+class Stage(enum.IntEnum):
+  NONE = 0
+  DISPATCH_SEND = 1
+  DISPATCH_RECV = 2
+  COMBINE_SEND = 3
+  COMBINE_RECV = 4
+
+
+_HINTS = {
+    ErrorCode.INVALID_EXPERT_ID: "topk_ids must hold -1 or an id in [0, num_experts)",
+    ErrorCode.CAPACITY_OVERFLOW: "raise MoEConfig.max_recv_tokens (or leave it None)",
+    ErrorCode.TIMEOUT: "a peer did not reach the same call; raise JAX_MOE_TIMEOUT_S if it is slow",
+    ErrorCode.BAD_NUM_TOKENS: "num_tokens must be in [0, max_tokens]",
+}
+
+
+class CommError(RuntimeError):
+  """A run-time failure recorded by a communicator (see ErrorCode)."""
+
+  def __init__(self, code: int, stage: int, rank: int, detail: int):
+    self.code = ErrorCode(code)
+    self.stage = Stage(stage)
+    self.rank = int(rank)
+    self.detail = int(detail)
+    super().__init__(f"{self.code.name} in {self.stage.name.lower()} on rank {self.rank} "
+                     f"(detail {self.detail}): {_HINTS.get(self.code, '')}")

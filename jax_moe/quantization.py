@@ -1,0 +1,46 @@
+"""fp8 (e4m3fn) block quantization along the hidden dimension.
+
+Every backend quantizes exactly like this (docs/semantics.md), so dispatched codes and
+scales agree bit for bit across backends.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+# The f32 nearest to 1/448. XLA turns `amax / 448` into a multiply by this rounded
+# reciprocal, so the spec uses the multiply and CUDA kernels use the same constant.
+INV_FP8_MAX = np.float32(1.0 / 448.0)
+
+
+def _blocks(x: jax.Array, block_size: int) -> jax.Array:
+  if x.shape[-1] % block_size:
+    raise ValueError(f"quantize_fp8: x.shape[-1] ({x.shape[-1]}) must be a multiple of "
+                     f"block_size ({block_size})")
+  return x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+
+
+def quantize_fp8(x: jax.Array, block_size: int = 128) -> tuple[jax.Array, jax.Array]:
+  """Returns `(q, scales)`: q float8_e4m3fn with x's shape, scales f32 [..., hidden // block_size]."""
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"quantize_fp8: x must be floating point, got {x.dtype}")
+  xb = _blocks(x.astype(jnp.float32), block_size)
+  amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), np.float32(AMAX_FLOOR))
+  scales = amax * INV_FP8_MAX
+  scaled = xb * (np.float32(FP8_MAX) / amax)[..., None]
+  q = jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+  return q.reshape(x.shape), scales
+
+
+def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """Inverse of quantize_fp8 up to rounding: f32(q) * scale per block, cast to `dtype`."""
+  if q.shape[:-1] != scales.shape[:-1] or q.shape[-1] % scales.shape[-1]:
+    raise ValueError(f"dequantize_fp8: scales shape {scales.shape} does not tile q shape "
+                     f"{q.shape} along the last axis")
+  block_size = q.shape[-1] // scales.shape[-1]
+  xb = _blocks(q.astype(jnp.float32), block_size) * scales.astype(jnp.float32)[..., None]
+  return xb.reshape(q.shape).astype(dtype)
