@@ -18,69 +18,69 @@ _registered = False
 
 @functools.cache
 def _load() -> tuple[ModuleType | None, str | None]:
-    try:
-        return importlib.import_module("jax_moe._native"), None
-    except ImportError as e:  # not built, or a shared library it needs is missing
-        return None, f"{type(e).__name__}: {e}"
+  try:
+    return importlib.import_module("jax_moe._native"), None
+  except ImportError as e:  # not built, or a shared library it needs is missing
+    return None, f"{type(e).__name__}: {e}"
 
 
 def load() -> ModuleType | None:
-    """The ``jax_moe._native`` module, or None when it is not built or cannot be loaded."""
-    return _load()[0]
+  """The ``jax_moe._native`` module, or None when it is not built or cannot be loaded."""
+  return _load()[0]
 
 
 def _package_version() -> str:
-    try:
-        return importlib.metadata.version("jax-moe")
-    except importlib.metadata.PackageNotFoundError:  # running from a source tree
-        return "unknown"
+  try:
+    return importlib.metadata.version("jax-moe")
+  except importlib.metadata.PackageNotFoundError:  # running from a source tree
+    return "unknown"
 
 
 def build_info() -> dict:
-    """What the native layer provides here.
+  """What the native layer provides here.
 
-    Keys: version, native, native_error (why it did not load, else None), cuda, cuda_version,
-    cuda_archs, libfabric, libfabric_version, libfabric_header_version, jax_version (the jax
-    whose FFI headers were compiled in; None without the native module), xla_ffi_api.
-    """
-    module, error = _load()
-    if module is None:
-        return {
-            "version": _package_version(),
-            "native": False,
-            "native_error": error,
-            "cuda": False,
-            "cuda_version": None,
-            "cuda_archs": None,
-            "libfabric": False,
-            "libfabric_version": None,
-            "libfabric_header_version": None,
-            "jax_version": None,
-            "xla_ffi_api": None,
-        }
-    return {**module.build_info(), "native_error": None}
+  Keys: version, native, native_error (why it did not load, else None), cuda, cuda_version,
+  cuda_archs, libfabric, libfabric_version, libfabric_header_version, jax_version (the jax
+  whose FFI headers were compiled in; None without the native module), xla_ffi_api.
+  """
+  module, error = _load()
+  if module is None:
+    return {
+      "version": _package_version(),
+      "native": False,
+      "native_error": error,
+      "cuda": False,
+      "cuda_version": None,
+      "cuda_archs": None,
+      "libfabric": False,
+      "libfabric_version": None,
+      "libfabric_header_version": None,
+      "jax_version": None,
+      "xla_ffi_api": None,
+    }
+  return {**module.build_info(), "native_error": None}
 
 
 def has_cuda() -> bool:
-    """True when the native module is loaded and was built with the CUDA kernels."""
-    module = load()
-    return module is not None and bool(module.build_info()["cuda"])
+  """True when the native module is loaded and was built with the CUDA kernels."""
+  module = load()
+  return module is not None and bool(module.build_info()["cuda"])
 
 
 def register_targets() -> None:
-    """Registers every FFI target of the native module with jax, once per process.
+  """Registers every FFI target of the native module with jax, once per process.
 
-    A no-op without the native module. Safe to call from several threads.
-    """
-    global _registered
-    with _register_lock:
-        if _registered:
-            return
-        module = load()
-        if module is not None:
-            import jax
+  A no-op without the native module. Safe to call from several threads.
+  """
+  global _registered
+  with _register_lock:
+    if _registered:
+      return
+    module = load()
+    if module is not None:
+      import jax
 
-            for platform, targets in module.registrations().items():
-                for name, capsule in targets.items():
-                    jax.ffi.register_ffi_target(name, capsule, platform=platform)
-        _registered = True
+      for platform, targets in module.registrations().items():
+        for name, capsule in targets.items():
+          jax.ffi.register_ffi_target(name, capsule, platform=platform)
+    _registered = True
