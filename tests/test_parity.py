@@ -1,0 +1,148 @@
+"""Every backend against the numpy reference: dispatched layout and combine.
+
+Tolerances held for combine (all bf16 outputs of f32 sums):
+- Against the spec formula (reference.combine_reference): one bf16 ulp, plus the f32 error
+  bound of the sum in another order, (K + R) * 2**-24 * sum|w * y|, which exceeds a bf16 ulp
+  only under cancellation; with bf16 partials also one bf16 ulp per partial, since a partial
+  whose f32 sum differs in its last bit may round to the neighbouring bf16 value.
+- Against the dense MoE result (no layout involved): the same bound for "source" and "expert"
+  with f32 partials (docs/semantics.md: within one bf16 ulp); with bf16 partials half a bf16
+  ulp per partial on top, the one extra rounding the spec allows.
+"""
+
+import numpy as np
+import pytest
+
+import jax_moe as jm
+import reference as ref
+from checks import assert_bitwise_equal, assert_combine_within, assert_dispatch_matches, combine_bound
+from meshes import make_mesh
+from moe_runner import Setup, make_inputs, runner
+from routing_cases import SCENARIOS, routing
+
+AXIS_SIZES = (1, 2, 4, 8)
+DISPATCH_KINDS = ("bf16", "fp8", "fp8-prequantized")
+
+
+def run_case(setup, rng, scenario):
+    """Runs one scenario; returns (inputs, result, expected dispatch). No error may be recorded."""
+    run = runner(setup)
+    inputs = make_inputs(setup, rng, routing(rng, setup.geometry, scenario))
+    result = inputs.run(run)
+    expected = ref.dispatch_reference(setup.geometry, inputs.routing, inputs.rows, inputs.row_scales)
+    assert not any(r.overflow for r in expected.ranks), "scenario must fit the default capacity"
+    run.comm.check()
+    return inputs, result, expected
+
+
+def check_combine(setup, inputs, result, expected):
+    g = setup.geometry
+    summands = g.experts_per_token + g.axis_size
+    bf16_partials = setup.combine_reduce == "expert" and setup.partial_dtype == "bfloat16"
+    partial = ref.BF16 if bf16_partials else np.float32
+
+    given = ref.combine_reference(g, inputs.routing, expected, inputs.y_given,
+                                  setup.combine_reduce, partial)
+    assert_combine_within(result.out_given, given.out, combine_bound(result.out_given, given, summands),
+                          "combine(random y) vs spec formula")
+
+    # y = bf16(dequant(row) * (expert + 1)) against the dense MoE result, which knows no layout.
+    rows = (ref.dequantize_fp8(inputs.rows, inputs.row_scales) if inputs.row_scales is not None
+            else inputs.rows.astype(np.float32))
+    dense, magnitude = ref.dense_moe_reference(g, inputs.routing, rows, ref.scaled_by_expert)
+    scaled = ref.combine_reference(g, inputs.routing, expected, _scaled_y(setup, expected),
+                                   setup.combine_reduce, partial)
+    extra = scaled.partial_rounding / 2  # one rounding of each bf16 partial: half an ulp
+    bound = ref.combine_tolerance(result.out_scaled, dense, magnitude, summands, extra=extra)
+    assert_combine_within(result.out_scaled, dense, bound, "combine(expert_fn(y)) vs dense MoE")
+
+
+def _scaled_y(setup, expected):
+    """The runner's per-expert function applied to the expected layout, per rank."""
+    g = setup.geometry
+    ys = []
+    for rank, want in enumerate(expected.ranks):
+        rows = (ref.dequantize_fp8(want.x, want.scales) if want.scales is not None
+                else want.x.astype(np.float32))
+        expert = rank * g.local_experts + np.searchsorted(np.cumsum(want.group_sizes),
+                                                          np.arange(g.capacity), side="right")
+        ys.append((rows * (expert + 1).astype(np.float32)[:, None]).astype(ref.BF16))
+    return np.stack(ys)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("expert_padding", (1, 16))
+@pytest.mark.parametrize("dispatch", DISPATCH_KINDS)
+@pytest.mark.parametrize("axis_size", AXIS_SIZES)
+def test_dispatch_layout_and_source_combine(backend, axis_size, dispatch, expert_padding, scenario, rng):
+    setup = Setup(backend, axis_size, dispatch, expert_padding)
+    inputs, result, expected = run_case(setup, rng, scenario)
+    assert_dispatch_matches(result.first, expected)
+    check_combine(setup, inputs, result, expected)
+
+
+@pytest.mark.parametrize("scenario", ("random", "skewed", "partial_tokens", "duplicates"))
+@pytest.mark.parametrize("partial_dtype", ("float32", "bfloat16"))
+@pytest.mark.parametrize("dispatch", ("bf16", "fp8"))
+@pytest.mark.parametrize("axis_size", (1, 2, 8))
+def test_expert_reduce_combine(backend, axis_size, dispatch, partial_dtype, scenario, rng):
+    setup = Setup(backend, axis_size, dispatch, combine_reduce="expert", partial_dtype=partial_dtype)
+    inputs, result, expected = run_case(setup, rng, scenario)
+    assert_dispatch_matches(result.first, expected)
+    check_combine(setup, inputs, result, expected)
+
+
+def test_num_tokens_omitted_sends_every_token(backend, rng):
+    setup = Setup(backend, 2, "fp8", pass_num_tokens=False)
+    inputs, result, expected = run_case(setup, rng, "random")
+    assert_dispatch_matches(result.first, expected)
+    check_combine(setup, inputs, result, expected)
+
+
+@pytest.mark.parametrize("setup_args", (
+    dict(axis_size=8, dispatch="fp8", expert_padding=16),
+    dict(axis_size=4, dispatch="bf16", combine_reduce="expert", partial_dtype="bfloat16"),
+))
+def test_repeated_runs_are_bit_identical(backend, setup_args, rng):
+    setup = Setup(backend, **setup_args)
+    run = runner(setup)
+    inputs = make_inputs(setup, rng, routing(rng, setup.geometry, "random"))
+    once, again = inputs.run(run), inputs.run(run)
+    run.comm.check()
+    for name, first in once.first.items():
+        if first is not None:
+            assert_bitwise_equal(again.first[name], first, f"{name}, second run")
+            assert_bitwise_equal(once.second[name], first, f"{name}, second dispatch of one run")
+    assert_bitwise_equal(again.out_given, once.out_given, "combine(random y), second run")
+    assert_bitwise_equal(again.out_scaled, once.out_scaled, "combine(expert_fn(y)), second run")
+
+
+@pytest.mark.parametrize("setup_args", (
+    dict(axis_size=2, dispatch="fp8", expert_padding=16),
+    dict(axis_size=4, dispatch="bf16", combine_reduce="expert", partial_dtype="bfloat16"),
+    dict(axis_size=8, dispatch="fp8-prequantized", combine_reduce="expert"),
+))
+def test_split_halves_equal_fused_calls(backend, setup_args, rng):
+    fused = Setup(backend, **setup_args)
+    split = Setup(backend, split=True, **setup_args)
+    inputs = make_inputs(fused, rng, routing(rng, fused.geometry, "skewed"))
+    want, got = inputs.run(runner(fused)), inputs.run(runner(split))
+    runner(fused).comm.check()
+    runner(split).comm.check()
+    for name, value in want.first.items():
+        if value is not None:
+            assert_bitwise_equal(got.first[name], value, f"{name} from dispatch_send/recv")
+    assert_bitwise_equal(got.out_given, want.out_given, "combine_send/recv(random y)")
+    assert_bitwise_equal(got.out_scaled, want.out_scaled, "combine_send/recv(expert_fn(y))")
+
+
+@pytest.mark.parametrize("axis_size", AXIS_SIZES)
+def test_communicator_reports_geometry(backend, axis_size):
+    for padding, max_recv in ((1, None), (16, None), (1, 40)):
+        setup = Setup(backend, axis_size, expert_padding=padding, max_recv_tokens=max_recv)
+        cfg = setup.config()
+        comm = jm.Communicator(cfg, make_mesh(axis_size), axis="ep", backend=backend)
+        g = setup.geometry
+        assert comm.axis_size == axis_size
+        assert comm.num_local_experts == g.local_experts
+        assert comm.capacity == g.capacity == cfg.capacity(axis_size)
