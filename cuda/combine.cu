@@ -1,0 +1,162 @@
+// Combine over NVLink: combine_send (expert rank) returns each dispatched row, or in "expert"
+// mode one weighted partial per (source, token), into the source's combine region;
+// combine_recv (source rank) waits for every rank and sums in the reference order.
+// Buffer layout: cuda/layout.cuh.
+#include "cuda/api.cuh"
+#include "cuda/rows.cuh"
+#include "cuda/sync.cuh"
+
+namespace jax_moe {
+namespace {
+
+// Source mode: one warp per slot (s, t, k) held here; y[row] goes to comb[t][k] on source s
+// (zeros for a slot dropped by capacity overflow, so it adds nothing there).
+// Expert mode: one warp per (s, t) with a slot here; p = sum in k order of w * y[row] in f32,
+// stored in partial dtype at part[this rank][t] on source s.
+// The last block publishes the sequence to every rank.
+__global__ void __launch_bounds__(kThreads)
+combine_send_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
+                    const float* row_weights, int32_t* done) {
+  const MoeDims& d = v.dims;
+  const BufferLayout lay = buffer_layout(d);
+  const int R = d.world, T = d.max_tokens, K = d.topk, C = d.capacity, me = d.rank;
+  const int chunks = d.hidden / 8;  // 16-byte vectors of bf16 per row
+  const uint64_t seq = v.counters->combine_seq + 1;
+  // Never overwrite a combine region its source has not consumed yet.
+  block_wait_all(v, v.local, lay.combine_ack, seq - 1, kStageCombineSend);
+  const int lane = lane_id();
+
+  if (!d.reduce_expert) {
+    for (int task = global_warp(); task < R * T * K; task += global_warps()) {
+      const int row = slot_rows[task];
+      if (row == -1) continue;
+      const int s = task / (T * K), slot = task % (T * K);
+      uint4* dst = reinterpret_cast<uint4*>(v.peers[s] + lay.combine) + size_t(slot) * chunks;
+      const bool held = row >= 0 && row < C;
+      for (int c = lane; c < chunks; c += 32)
+        dst[c] = held ? y[size_t(row) * chunks + c] : make_uint4(0, 0, 0, 0);
+    }
+  } else {
+    __shared__ int32_t warp_rows[kWarps][32];
+    __shared__ float warp_weights[kWarps][32];
+    const int warp = threadIdx.x / 32;
+    const size_t pbytes = partial_bytes(d);
+    for (int task = global_warp(); task < R * T; task += global_warps()) {
+      int row = lane < K ? slot_rows[size_t(task) * K + lane] : -1;
+      if (row >= C || row < -1) row = -2;  // held here but no row: contributes nothing
+      if (!__ballot_sync(kFullMask, row != -1)) continue;
+      warp_rows[warp][lane] = row;
+      warp_weights[warp][lane] = row >= 0 ? row_weights[row] : 0.f;
+      __syncwarp();
+      const int s = task / T, t = task % T;
+      char* dst = v.peers[s] + lay.combine + (size_t(me) * T + t) * d.hidden * pbytes;
+      for (int c = lane; c < chunks; c += 32) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int k = 0; k < K; ++k) {
+          const int r = warp_rows[warp][k];
+          if (r < 0) continue;
+          float f[8];
+          bf16x8_to_f32(y[size_t(r) * chunks + c], f);
+          accumulate_scaled(acc, warp_weights[warp][k], f);
+        }
+        if (d.partial_bf16) {
+          reinterpret_cast<uint4*>(dst)[c] = f32_to_bf16x8(acc);
+        } else {
+          float4* out = reinterpret_cast<float4*>(dst) + 2 * c;
+          out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+          out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+        }
+      }
+      __syncwarp();
+    }
+  }
+
+  if (blockIdx.x == 0 && threadIdx.x == 0) *done = 0;
+  if (last_block_done(v, kDoneCombineSend) && threadIdx.x == 0) {
+    for (int p = 0; p < R; ++p) store_release_sys(flag_at(v.peers[p], lay.combine_flag, me), seq);
+    v.counters->combine_seq = seq;
+  }
+}
+
+// One warp per token t: waits for every rank, then out[t] = bf16(sum in f32) over its valid
+// slots in k order (source mode) or over the ranks holding one of its slots in rank order
+// (expert mode). Tokens with no valid slot (and t >= num_tokens) come out zero. The last
+// block acknowledges every rank: this rank's combine region may be overwritten.
+__global__ void __launch_bounds__(kThreads)
+combine_recv_kernel(CommView v, const int32_t* send_dest, const float* topk_weights,
+                    uint4* out) {
+  const MoeDims& d = v.dims;
+  const BufferLayout lay = buffer_layout(d);
+  const int R = d.world, T = d.max_tokens, K = d.topk, me = d.rank;
+  const int chunks = d.hidden / 8;
+  const uint64_t seq = v.counters->combine_seq;
+  block_wait_all(v, v.local, lay.combine_flag, seq, kStageCombineRecv);
+
+  __shared__ int32_t warp_dest[kWarps][32];
+  __shared__ float warp_weights[kWarps][32];
+  const int lane = lane_id();
+  const int warp = threadIdx.x / 32;
+  const uint4* comb = reinterpret_cast<const uint4*>(v.local + lay.combine);
+  for (int t = global_warp(); t < T; t += global_warps()) {
+    int dest = lane < K ? send_dest[t * K + lane] : -1;
+    if (dest < 0 || dest >= R) dest = -1;
+    warp_dest[warp][lane] = dest;
+    warp_weights[warp][lane] = lane < K ? topk_weights[t * K + lane] : 0.f;
+    __syncwarp();
+    uint64_t ranks = 0;
+    for (int k = 0; k < K; ++k)
+      if (warp_dest[warp][k] >= 0) ranks |= 1ull << warp_dest[warp][k];
+    for (int c = lane; c < chunks; c += 32) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      float f[8];
+      if (!d.reduce_expert) {
+        for (int k = 0; k < K; ++k) {
+          if (warp_dest[warp][k] < 0) continue;
+          bf16x8_to_f32(__ldcg(comb + (size_t(t) * K + k) * chunks + c), f);
+          accumulate_scaled(acc, warp_weights[warp][k], f);
+        }
+      } else {
+        for (int p = 0; p < R; ++p) {
+          if (!((ranks >> p) & 1)) continue;
+          const size_t part_row = size_t(p) * T + t;
+          if (d.partial_bf16) {
+            bf16x8_to_f32(__ldcg(comb + part_row * chunks + c), f);
+          } else {
+            const float4* src = reinterpret_cast<const float4*>(comb) + (part_row * chunks + c) * 2;
+            const float4 a = __ldcg(src), b = __ldcg(src + 1);
+            f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+            f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+          }
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], f[i]);
+        }
+      }
+      out[size_t(t) * chunks + c] = f32_to_bf16x8(acc);
+    }
+    __syncwarp();
+  }
+
+  if (last_block_done(v, kDoneCombineRecv) && threadIdx.x == 0) {
+    for (int p = 0; p < R; ++p) store_release_sys(flag_at(v.peers[p], lay.combine_ack, me), seq);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_combine_send(const CommView& view, const void* y, const int32_t* slot_rows,
+                                const float* row_weights, int32_t* done, cudaStream_t stream) {
+  const MoeDims& d = view.dims;
+  const int tasks = d.reduce_expert ? d.world * d.max_tokens : d.world * d.max_tokens * d.topk;
+  combine_send_kernel<<<grid_for(tasks, view.max_blocks), kThreads, 0, stream>>>(
+      view, static_cast<const uint4*>(y), slot_rows, row_weights, done);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine_recv(const CommView& view, const int32_t* send_dest,
+                                const float* topk_weights, void* out, cudaStream_t stream) {
+  combine_recv_kernel<<<grid_for(view.dims.max_tokens, view.max_blocks), kThreads, 0, stream>>>(
+      view, send_dest, topk_weights, static_cast<uint4*>(out));
+  return cudaGetLastError();
+}
+
+}  // namespace jax_moe

@@ -1,0 +1,56 @@
+// Row helpers shared by the dispatch and combine kernels: bf16 <-> f32 on 16-byte vectors,
+// the fp8 quantization of docs/semantics.md, and where a token sits in a rank's buffer.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "cuda/layout.cuh"
+
+namespace jax_moe {
+
+// Eight bf16 (one 16-byte vector, element 0 in the low half of .x) to f32, exactly.
+__device__ inline void bf16x8_to_f32(const uint4& v, float out[8]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(words[i] << 16);
+    out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+
+// Eight f32 to bf16, round to nearest even, packed like bf16x8_to_f32 reads them.
+__device__ inline uint4 f32_to_bf16x8(const float in[8]) {
+  uint32_t words[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(in[2 * i]));
+    const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(in[2 * i + 1]));
+    words[i] = lo | (hi << 16);
+  }
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+// acc[i] += w * v[i] with both roundings explicit (no FMA contraction), as the reference does.
+__device__ inline void accumulate_scaled(float acc[8], float w, const float v[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, v[i]));
+}
+
+constexpr float kInv448 = 1.0f / 448.0f;  // the f32 nearest 1/448
+
+// One value of a block whose multiplier is 448 / amax: clip to +-448, e4m3fn, nearest even.
+__device__ inline uint32_t quantize_e4m3(float x, float multiplier) {
+  const float v = fminf(fmaxf(__fmul_rn(x, multiplier), -448.f), 448.f);
+  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+
+// Start of token t of source `source` in the dispatch region of `buffer`.
+__device__ inline char* token_slot(char* buffer, const BufferLayout& lay, const MoeDims& d,
+                                   int source, int t) {
+  return buffer + lay.recv_tokens + (size_t(source) * d.max_tokens + t) * token_bytes(d);
+}
+
+}  // namespace jax_moe

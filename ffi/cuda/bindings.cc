@@ -1,0 +1,89 @@
+// Python bindings of the CUDA backend (state setup, peer mapping, error record, teardown)
+// and its FFI target capsules. Declared in ffi/native_cuda.h; used by jax_moe/backends/cuda.py.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
+
+#include "ffi/cuda/handlers.h"
+#include "ffi/cuda/state.h"
+#include "ffi/native_cuda.h"
+
+namespace nb = nanobind;
+
+namespace jax_moe {
+
+void bind_cuda(nb::module_& m) {
+  m.def(
+      "cuda_create_rank",
+      [](int64_t comm_id, int ordinal, int rank, int world, int max_tokens, int hidden, int topk,
+         int num_experts, int block_size, int expert_padding, int capacity, bool fp8,
+         bool reduce_expert, bool partial_bf16, double timeout_s) {
+        MoeDims d{};
+        d.world = world;
+        d.rank = rank;
+        d.max_tokens = max_tokens;
+        d.hidden = hidden;
+        d.topk = topk;
+        d.num_experts = num_experts;
+        d.local_experts = num_experts / world;
+        d.block_size = block_size;
+        d.expert_padding = expert_padding;
+        d.capacity = capacity;
+        d.fp8 = fp8;
+        d.reduce_expert = reduce_expert;
+        d.partial_bf16 = partial_bf16;
+        create_rank_state(comm_id, ordinal, d, timeout_s);
+      },
+      nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("rank"), nb::arg("world"),
+      nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("topk"), nb::arg("num_experts"),
+      nb::arg("block_size"), nb::arg("expert_padding"), nb::arg("capacity"), nb::arg("fp8"),
+      nb::arg("reduce_expert"), nb::arg("partial_bf16"), nb::arg("timeout_s"),
+      "Allocates the buffers of one rank of a CUDA communicator on local device `ordinal`.");
+  m.def(
+      "cuda_ipc_handle",
+      [](int64_t comm_id, int ordinal) {
+        const std::string handle = rank_ipc_handle(comm_id, ordinal);
+        return nb::bytes(handle.data(), handle.size());
+      },
+      nb::arg("comm_id"), nb::arg("ordinal"),
+      "CUDA IPC handle of the rank's buffer, for peers in other processes.");
+  m.def(
+      "cuda_connect_rank",
+      [](int64_t comm_id, int ordinal, const std::vector<int>& local_ordinals,
+         const std::vector<nb::bytes>& ipc_handles) {
+        std::vector<std::string> handles;
+        for (const nb::bytes& h : ipc_handles) handles.emplace_back(h.c_str(), h.size());
+        connect_rank_state(comm_id, ordinal, local_ordinals, handles);
+      },
+      nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("local_ordinals"), nb::arg("ipc_handles"),
+      "Maps every rank's buffer: local_ordinals[p] >= 0 for ranks of this process, else "
+      "ipc_handles[p].");
+  m.def(
+      "cuda_take_error",
+      [](int64_t comm_id, int ordinal) -> nb::object {
+        ErrorRecord e{};
+        if (!take_rank_error(comm_id, ordinal, &e)) return nb::none();
+        return nb::make_tuple(e.code, e.stage, e.rank, e.detail);
+      },
+      nb::arg("comm_id"), nb::arg("ordinal"),
+      "(code, stage, rank, detail) of the recorded error, cleared; None when none.");
+  m.def("cuda_destroy_rank", &destroy_rank_state, nb::arg("comm_id"), nb::arg("ordinal"),
+        "Synchronizes the device and frees the rank's buffers.");
+}
+
+void add_cuda_targets(nb::dict& targets) {
+  auto capsule = [](XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
+    return nb::capsule(reinterpret_cast<void*>(fn));
+  };
+  targets["jax_moe_dispatch_send"] = capsule(DispatchSendFfi);
+  targets["jax_moe_dispatch_recv"] = capsule(DispatchRecvFfi);
+  targets["jax_moe_dispatch"] = capsule(DispatchFfi);
+  targets["jax_moe_combine_send"] = capsule(CombineSendFfi);
+  targets["jax_moe_combine_recv"] = capsule(CombineRecvFfi);
+  targets["jax_moe_combine"] = capsule(CombineFfi);
+}
+
+}  // namespace jax_moe

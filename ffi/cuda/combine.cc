@@ -1,0 +1,140 @@
+// FFI handlers of combine: decode and check the buffers against the rank state, then call
+// the launchers of cuda/combine.cu. Argument order matches jax_moe/backends/cuda.py.
+#include <cuda_runtime.h>
+
+#include "cuda/api.cuh"
+#include "ffi/cuda/handler_util.h"
+#include "ffi/cuda/handlers.h"
+
+namespace jax_moe {
+namespace {
+
+ffi::Error check_send(const CallSite& site, const MoeDims& d, ffi::Buffer<ffi::BF16> y,
+                      ffi::Buffer<ffi::S32> slot_rows, ffi::Buffer<ffi::F32> row_weights) {
+  if (auto err = expect_shape(site, "y", y.dimensions(),
+                              {{"capacity", d.capacity}, {"hidden", d.hidden}});
+      err.failure())
+    return err;
+  if (auto err = expect_shape(site, "handle.slot_rows", slot_rows.dimensions(),
+                              {{"axis_size", d.world}, {"max_tokens", d.max_tokens},
+                               {"experts_per_token", d.topk}});
+      err.failure())
+    return err;
+  return expect_shape(site, "handle.row_weights", row_weights.dimensions(),
+                      {{"capacity", d.capacity}});
+}
+
+ffi::Error check_recv(const CallSite& site, const MoeDims& d, ffi::Buffer<ffi::S32> send_dest,
+                      ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::BF16> out) {
+  const NamedDim T{"max_tokens", d.max_tokens}, K{"experts_per_token", d.topk};
+  if (auto err = expect_shape(site, "handle.send_dest", send_dest.dimensions(), {T, K});
+      err.failure())
+    return err;
+  if (auto err = expect_shape(site, "handle.topk_weights", topk_weights.dimensions(), {T, K});
+      err.failure())
+    return err;
+  return expect_shape(site, "out (output)", out.dimensions(), {T, {"hidden", d.hidden}});
+}
+
+ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id,
+                           ffi::Buffer<ffi::BF16> y, ffi::Buffer<ffi::S32> slot_rows,
+                           ffi::Buffer<ffi::F32> row_weights,
+                           ffi::Result<ffi::Buffer<ffi::S32>> done) {
+  const CallSite site{"jax_moe_combine_send", "Communicator.combine_send"};
+  auto state = begin_call(site, comm_id, ordinal);
+  if (state.has_error()) return state.error();
+  CudaRankState& s = **state;
+  if (auto err = check_send(site, s.dims, y, slot_rows, row_weights); err.failure()) return err;
+  if (auto err = expect_shape(site, "done (output)", done->dimensions(), {{"1", 1}});
+      err.failure())
+    return err;
+  return launch_result(site, launch_combine_send(s.view(), y.untyped_data(),
+                                                 slot_rows.typed_data(),
+                                                 row_weights.typed_data(), done->typed_data(),
+                                                 stream));
+}
+
+// `done` (from combine_send) is taken only so XLA orders this call after it.
+ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id,
+                           ffi::Buffer<ffi::S32> done, ffi::Buffer<ffi::S32> send_dest,
+                           ffi::Buffer<ffi::F32> topk_weights,
+                           ffi::Result<ffi::Buffer<ffi::BF16>> out) {
+  const CallSite site{"jax_moe_combine_recv", "Communicator.combine_recv"};
+  auto state = begin_call(site, comm_id, ordinal);
+  if (state.has_error()) return state.error();
+  CudaRankState& s = **state;
+  if (auto err = expect_shape(site, "done", done.dimensions(), {{"1", 1}}); err.failure())
+    return err;
+  if (auto err = check_recv(site, s.dims, send_dest, topk_weights, *out); err.failure())
+    return err;
+  return launch_result(site, launch_combine_recv(s.view(), send_dest.typed_data(),
+                                                 topk_weights.typed_data(), out->untyped_data(),
+                                                 stream));
+}
+
+ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id,
+                       ffi::Buffer<ffi::BF16> y, ffi::Buffer<ffi::S32> slot_rows,
+                       ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::S32> send_dest,
+                       ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                       ffi::Result<ffi::Buffer<ffi::S32>> done) {
+  const CallSite site{"jax_moe_combine", "Communicator.combine"};
+  auto state = begin_call(site, comm_id, ordinal);
+  if (state.has_error()) return state.error();
+  CudaRankState& s = **state;
+  if (auto err = check_send(site, s.dims, y, slot_rows, row_weights); err.failure()) return err;
+  if (auto err = check_recv(site, s.dims, send_dest, topk_weights, *out); err.failure())
+    return err;
+  if (auto err = expect_shape(site, "done (output)", done->dimensions(), {{"1", 1}});
+      err.failure())
+    return err;
+  if (auto err = launch_result(site, launch_combine_send(s.view(), y.untyped_data(),
+                                                         slot_rows.typed_data(),
+                                                         row_weights.typed_data(),
+                                                         done->typed_data(), stream));
+      err.failure())
+    return err;
+  return launch_result(site, launch_combine_recv(s.view(), send_dest.typed_data(),
+                                                 topk_weights.typed_data(), out->untyped_data(),
+                                                 stream));
+}
+
+}  // namespace
+}  // namespace jax_moe
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineSendFfi, jax_moe::CombineSendImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("comm_id")
+                                  .Arg<ffi::Buffer<ffi::BF16>>()   // y
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // slot_rows
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // row_weights
+                                  .Ret<ffi::Buffer<ffi::S32>>(),   // done
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineRecvFfi, jax_moe::CombineRecvImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("comm_id")
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // done
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // send_dest
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // topk_weights
+                                  .Ret<ffi::Buffer<ffi::BF16>>(),  // out
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineFfi, jax_moe::CombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("comm_id")
+                                  .Arg<ffi::Buffer<ffi::BF16>>()   // y
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // slot_rows
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // row_weights
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // send_dest
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // topk_weights
+                                  .Ret<ffi::Buffer<ffi::BF16>>()   // out
+                                  .Ret<ffi::Buffer<ffi::S32>>(),   // done
+                              {ffi::Traits::kCmdBufferCompatible});

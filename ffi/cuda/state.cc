@@ -1,0 +1,233 @@
+// Allocation, peer mapping and teardown of the per-device state (see state.h).
+#include "ffi/cuda/state.h"
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <utility>
+
+namespace jax_moe {
+namespace {
+
+using Key = std::pair<int64_t, int>;  // (comm id, device ordinal)
+
+std::mutex registry_mutex;
+std::map<Key, std::unique_ptr<CudaRankState>>& registry() {
+  static auto* states = new std::map<Key, std::unique_ptr<CudaRankState>>();
+  return *states;
+}
+
+void check_cuda(cudaError_t status, const char* what) {
+  if (status != cudaSuccess)
+    throw std::runtime_error(std::string("jax_moe cuda backend: ") + what + " failed: " +
+                             cudaGetErrorString(status));
+}
+
+std::string key_text(int64_t comm_id, int ordinal) {
+  return "comm_id=" + std::to_string(comm_id) + ", device ordinal=" + std::to_string(ordinal);
+}
+
+CudaRankState& lookup(int64_t comm_id, int ordinal) {
+  auto it = registry().find({comm_id, ordinal});
+  if (it == registry().end())
+    throw std::invalid_argument("jax_moe cuda backend: no rank state for " +
+                                key_text(comm_id, ordinal));
+  return *it->second;
+}
+
+void validate_dims(const MoeDims& d) {
+  auto fail = [](const std::string& text) {
+    throw std::invalid_argument("Communicator(backend='cuda'): " + text);
+  };
+  if (d.world < 1 || d.world > 64) fail("axis size must be in [1, 64], got " + std::to_string(d.world));
+  if (d.rank < 0 || d.rank >= d.world) fail("rank out of range: " + std::to_string(d.rank));
+  if (d.topk < 1 || d.topk > 32)
+    fail("MoEConfig.experts_per_token must be in [1, 32], got " + std::to_string(d.topk));
+  if (d.hidden % (d.fp8 ? 16 : 8))
+    fail("MoEConfig.hidden must be a multiple of " + std::string(d.fp8 ? "16" : "8") + ", got " +
+         std::to_string(d.hidden));
+  if (d.fp8) {
+    const int chunks = d.block_size / 8;
+    if (d.block_size % 8 || (chunks & (chunks - 1)) || d.hidden % d.block_size)
+      fail("MoEConfig.block_size must be 8 times a power of two dividing hidden, got " +
+           std::to_string(d.block_size));
+  }
+  if (d.local_experts * d.world != d.num_experts) fail("num_experts must be divisible by the axis size");
+  if (place_smem_bytes(d) > 48 * 1024) fail("num_experts too large for one block's shared memory");
+}
+
+void free_state(CudaRankState& s) {
+  // Best effort: teardown must not throw half-way; the device is synchronized first so no
+  // kernel still uses the memory.
+  cudaSetDevice(s.ordinal);
+  cudaDeviceSynchronize();
+  for (char* p : s.ipc_opened) cudaIpcCloseMemHandle(p);
+  cudaFree(s.peers_device);
+  cudaFree(s.slot_rank);
+  cudaFree(s.expert_counts);
+  cudaFree(s.counters);
+  cudaFree(s.buffer);
+  if (s.error_host) cudaFreeHost(s.error_host);
+  cudaGetLastError();
+}
+
+}  // namespace
+
+CommView CudaRankState::view() const {
+  CommView v;
+  v.dims = dims;
+  v.local = buffer;
+  v.peers = peers_device;
+  v.counters = counters;
+  v.error = error_device;
+  v.expert_counts = expert_counts;
+  v.slot_rank = slot_rank;
+  v.timeout_ns = timeout_ns;
+  v.max_blocks = max_blocks;
+  return v;
+}
+
+int32_t CudaRankState::pending_error() const {
+  return *reinterpret_cast<volatile int32_t*>(&error_host->code);
+}
+
+void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s) {
+  validate_dims(dims);
+  if (!(timeout_s > 0)) throw std::invalid_argument("JAX_MOE_TIMEOUT_S must be positive");
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  if (registry().count({comm_id, ordinal}))
+    throw std::invalid_argument("jax_moe cuda backend: rank state exists for " +
+                                key_text(comm_id, ordinal));
+  auto state = std::make_unique<CudaRankState>();
+  CudaRankState& s = *state;
+  s.comm_id = comm_id;
+  s.ordinal = ordinal;
+  s.dims = dims;
+  s.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  try {
+    check_cuda(cudaSetDevice(ordinal), "cudaSetDevice");
+    int sms = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinal),
+               "cudaDeviceGetAttribute(multiProcessorCount)");
+    s.max_blocks = sms > 1 ? sms / 2 : 1;  // leave half the SMs to other streams
+    const BufferLayout lay = buffer_layout(dims);
+    check_cuda(cudaMalloc(&s.buffer, lay.total), "cudaMalloc(communication buffer)");
+    check_cuda(cudaMemset(s.buffer, 0, lay.total), "cudaMemset(communication buffer)");
+    check_cuda(cudaMalloc(&s.counters, sizeof(DeviceCounters)), "cudaMalloc(counters)");
+    check_cuda(cudaMemset(s.counters, 0, sizeof(DeviceCounters)), "cudaMemset(counters)");
+    const size_t counts = size_t(dims.world) * dims.local_experts;
+    const size_t slots = size_t(dims.world) * dims.max_tokens * dims.topk;
+    check_cuda(cudaMalloc(&s.expert_counts, 4 * counts), "cudaMalloc(expert counts)");
+    check_cuda(cudaMalloc(&s.slot_rank, 4 * slots), "cudaMalloc(slot ranks)");
+    check_cuda(cudaMalloc(&s.peers_device, sizeof(char*) * dims.world), "cudaMalloc(peer table)");
+    check_cuda(cudaHostAlloc(&s.error_host, sizeof(ErrorRecord), cudaHostAllocMapped),
+               "cudaHostAlloc(error record)");
+    std::memset(s.error_host, 0, sizeof(ErrorRecord));
+    check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.error_device), s.error_host, 0),
+               "cudaHostGetDevicePointer(error record)");
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  } catch (...) {
+    free_state(s);
+    throw;
+  }
+  registry()[{comm_id, ordinal}] = std::move(state);
+}
+
+std::string rank_ipc_handle(int64_t comm_id, int ordinal) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  CudaRankState& s = lookup(comm_id, ordinal);
+  check_cuda(cudaSetDevice(ordinal), "cudaSetDevice");
+  cudaIpcMemHandle_t handle;
+  check_cuda(cudaIpcGetMemHandle(&handle, s.buffer), "cudaIpcGetMemHandle");
+  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+}
+
+void connect_rank_state(int64_t comm_id, int ordinal, const std::vector<int>& local_ordinals,
+                        const std::vector<std::string>& ipc_handles) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  CudaRankState& s = lookup(comm_id, ordinal);
+  const int R = s.dims.world;
+  if (s.connected) throw std::invalid_argument("jax_moe cuda backend: already connected: " + key_text(comm_id, ordinal));
+  if (int(local_ordinals.size()) != R || int(ipc_handles.size()) != R)
+    throw std::invalid_argument("jax_moe cuda backend: connect needs one entry per rank (" +
+                                std::to_string(R) + ")");
+  check_cuda(cudaSetDevice(ordinal), "cudaSetDevice");
+  std::vector<char*> peers(R, nullptr);
+  for (int p = 0; p < R; ++p) {
+    if (p == s.dims.rank) {
+      peers[p] = s.buffer;
+    } else if (local_ordinals[p] >= 0) {
+      CudaRankState& other = lookup(comm_id, local_ordinals[p]);
+      int can = 0;
+      check_cuda(cudaDeviceCanAccessPeer(&can, ordinal, other.ordinal), "cudaDeviceCanAccessPeer");
+      if (!can)
+        throw std::runtime_error("jax_moe cuda backend: device " + std::to_string(ordinal) +
+                                 " cannot access device " + std::to_string(other.ordinal) +
+                                 " (no peer access)");
+      const cudaError_t status = cudaDeviceEnablePeerAccess(other.ordinal, 0);
+      if (status == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+      else check_cuda(status, "cudaDeviceEnablePeerAccess");
+      peers[p] = other.buffer;
+    } else {
+      if (ipc_handles[p].size() != sizeof(cudaIpcMemHandle_t))
+        throw std::invalid_argument("jax_moe cuda backend: IPC handle of rank " +
+                                    std::to_string(p) + " must be " +
+                                    std::to_string(sizeof(cudaIpcMemHandle_t)) + " bytes");
+      cudaIpcMemHandle_t handle;
+      std::memcpy(&handle, ipc_handles[p].data(), sizeof(handle));
+      void* mapped = nullptr;
+      check_cuda(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess),
+                 "cudaIpcOpenMemHandle");
+      s.ipc_opened.push_back(static_cast<char*>(mapped));
+      peers[p] = static_cast<char*>(mapped);
+    }
+  }
+  check_cuda(cudaMemcpy(s.peers_device, peers.data(), sizeof(char*) * R, cudaMemcpyHostToDevice),
+             "cudaMemcpy(peer table)");
+  s.connected = true;
+}
+
+bool take_rank_error(int64_t comm_id, int ordinal, ErrorRecord* out) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  CudaRankState& s = lookup(comm_id, ordinal);
+  volatile ErrorRecord* e = s.error_host;
+  if (e->code == 0) return false;
+  out->code = e->code;
+  out->stage = e->stage;
+  out->rank = e->rank;
+  out->detail = e->detail;
+  if (out->code == kTimeout) s.timed_out = true;
+  // Clear: the record first, then the device claim, so a later error can be recorded.
+  e->stage = e->rank = e->detail = 0;
+  e->code = 0;
+  check_cuda(cudaSetDevice(ordinal), "cudaSetDevice");
+  const int32_t unclaimed = 0;
+  check_cuda(cudaMemcpy(&s.counters->error_claimed, &unclaimed, sizeof(int32_t),
+                        cudaMemcpyHostToDevice),
+             "cudaMemcpy(error claim)");
+  return true;
+}
+
+void destroy_rank_state(int64_t comm_id, int ordinal) {
+  std::unique_ptr<CudaRankState> state;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = registry().find({comm_id, ordinal});
+    if (it == registry().end()) return;
+    state = std::move(it->second);
+    registry().erase(it);
+  }
+  free_state(*state);
+}
+
+CudaRankState* find_rank_state(int64_t comm_id, int ordinal) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry().find({comm_id, ordinal});
+  return it == registry().end() ? nullptr : it->second.get();
+}
+
+}  // namespace jax_moe

@@ -1,0 +1,51 @@
+// Per-device state of the CUDA backend: one rank of one communicator on one local GPU.
+// Created and connected from Python (ffi/cuda/bindings.cc) outside jit; looked up by the FFI
+// handlers by (comm id, device ordinal), from XLA's per-GPU threads.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cuda/layout.cuh"
+
+namespace jax_moe {
+
+struct CudaRankState {
+  int64_t comm_id = 0;
+  int ordinal = 0;
+  MoeDims dims{};
+  char* buffer = nullptr;                 // this rank's buffer (buffer_layout), cudaMalloc
+  DeviceCounters* counters = nullptr;     // device memory
+  int32_t* expert_counts = nullptr;       // device scratch [R][L]
+  int32_t* slot_rank = nullptr;           // device scratch [R][T][K]
+  char** peers_device = nullptr;          // device array [R] of peer buffers
+  std::vector<char*> ipc_opened;          // peer buffers mapped through CUDA IPC
+  ErrorRecord* error_host = nullptr;      // mapped pinned host memory
+  ErrorRecord* error_device = nullptr;    // the same record as the kernels address it
+  uint64_t timeout_ns = 0;
+  int max_blocks = 1;
+  bool connected = false;
+  bool timed_out = false;  // a TIMEOUT was taken: the ranks' sequences no longer agree
+
+  CommView view() const;
+  // The pending error code (0 when none), read without synchronizing the device.
+  int32_t pending_error() const;
+};
+
+// The functions below throw std::runtime_error / std::invalid_argument (for the bindings).
+void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s);
+// CUDA IPC handle (64 bytes) of the rank's buffer, for peers in other processes.
+std::string rank_ipc_handle(int64_t comm_id, int ordinal);
+// Maps every rank's buffer: rank p is driven by this process on device local_ordinals[p]
+// (>= 0), or lives in another process and ipc_handles[p] maps it.
+void connect_rank_state(int64_t comm_id, int ordinal, const std::vector<int>& local_ordinals,
+                        const std::vector<std::string>& ipc_handles);
+// Returns the recorded error and clears it; false when none is pending.
+bool take_rank_error(int64_t comm_id, int ordinal, ErrorRecord* out);
+void destroy_rank_state(int64_t comm_id, int ordinal);
+
+// For handlers: never throws; nullptr when no such state exists.
+CudaRankState* find_rank_state(int64_t comm_id, int ordinal);
+
+}  // namespace jax_moe
