@@ -1,0 +1,249 @@
+"""The methods bench_dispatch_combine times: jax_moe backends, JAX peers and two probes.
+
+Every method is a (init, body, final) triple of per-shard functions for
+timing.loop_program, a correctness check of final's result, and the bytes one rank sends
+to other ranks per iteration (mean over ranks) under a stated model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_moe as jm
+from benchmarks import peers, reference
+from benchmarks.environment import AXIS
+from benchmarks.problem import Inputs, Shape, Traffic
+from benchmarks.timing import consume_output, consume_probe, probe_all
+
+JAX_MOE_OPS = ("fused", "dispatch", "combine", "split")
+PEER_NAMES = ("all_gather", "all_to_all", "ragged_all_to_all")
+PROBE_NAMES = ("psum", "p2p")
+DTYPES = {"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16}
+PARTIAL_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """One phase and dispatch dtype: what every method runs on and is checked against."""
+  mesh: jax.sharding.Mesh
+  shape: Shape
+  inputs: Inputs
+  expected: reference.Expected
+  traffic: Traffic
+
+  @property
+  def dtype_name(self) -> str:
+    return "fp8" if self.shape.fp8 else "bf16"
+
+
+@dataclasses.dataclass
+class Method:
+  label: str                  # unique in a phase, e.g. "cuda fused fp8 source"
+  family: str                 # "jax_moe", "peer" or "probe"
+  name: str                   # backend, peer or probe name
+  op: str                     # fused, dispatch, combine, split, exchange, psum, p2p
+  dispatch_dtype: str | None
+  combine_reduce: str | None
+  init: Callable
+  body: Callable
+  final: Callable
+  check: Callable[[object, int], dict]  # (final's global result, loop length n) -> verdict
+  bytes_per_rank: float
+  bytes_model: str
+  after_run: Callable[[], None] = lambda: None  # raises what the method recorded (CommError)
+
+  def record(self) -> dict:
+    return {"label": self.label, "family": self.family, "name": self.name, "op": self.op,
+            "dispatch_dtype": self.dispatch_dtype, "combine_reduce": self.combine_reduce,
+            "bytes_per_rank": self.bytes_per_rank, "bytes_model": self.bytes_model}
+
+
+def _keep(x, topk_ids, topk_weights):
+  return x, topk_ids, topk_weights
+
+
+def _combine_check(ctx: Context, roundings: int):
+  return lambda out, n: reference.check_close(np.asarray(out), ctx.expected.combined,
+                                              ctx.expected.bound, roundings)
+
+
+# ------------------------------------------------------------------ jax_moe backends
+def identity_expert(r: jm.Dispatched) -> jax.Array:
+  """y = the dispatched rows, dequantized and cast to the combine dtype (bf16)."""
+  if r.scales is None:
+    return r.x.astype(jnp.bfloat16)
+  return jm.dequantize_fp8(r.x, r.scales, jnp.bfloat16)
+
+
+def make_communicator(ctx: Context, backend: str, reduce: str, partial_dtype: str,
+                      expert_padding: int) -> jm.Communicator:
+  s = ctx.shape
+  cfg = jm.MoEConfig(num_experts=s.experts, experts_per_token=s.topk, hidden=s.hidden,
+                     max_tokens=s.tokens, dispatch_dtype=DTYPES[ctx.dtype_name],
+                     block_size=s.block_size, combine_dtype=jnp.bfloat16,
+                     combine_reduce=reduce, partial_dtype=PARTIAL_DTYPES[partial_dtype],
+                     expert_padding=expert_padding)
+  return jm.Communicator(cfg, ctx.mesh, axis=AXIS, backend=backend)
+
+
+def jax_moe_methods(ctx: Context, comm: jm.Communicator, ops: tuple[str, ...]) -> list[Method]:
+  """`ops` of one communicator, in JAX_MOE_OPS order. Dispatch alone does not depend on the
+  combine mode; the caller asks for it once per dispatch dtype."""
+  cfg = comm.cfg
+  reduce = cfg.combine_reduce
+  partial = "f32" if cfg.partial_dtype == np.dtype(jnp.float32) else "bf16"
+  # bf16 roundings of partial or final sums (reference.check_close).
+  roundings = 2 if reduce == "expert" and partial == "bf16" else 1
+  t, s = ctx.traffic, ctx.shape
+  dispatch_bytes = t.remote_pairs * s.row_bytes
+  if reduce == "source":
+    combine_bytes = t.remote_slots * s.combine_row_bytes
+  else:
+    combine_bytes = t.remote_pairs * s.hidden * np.dtype(cfg.partial_dtype).itemsize
+  model = ("payload lower bound: dispatch one row per (token, remote rank); combine one "
+           + ("row per remote slot" if reduce == "source" else "partial per (token, remote rank)"))
+
+  def fused(x, ids, w):
+    r = comm.dispatch(x, ids, w)
+    return comm.combine(identity_expert(r), r.handle)
+
+  def split(x, ids, w):
+    r = comm.dispatch_recv(comm.dispatch_send(x, ids, w))
+    return comm.combine_recv(comm.combine_send(identity_expert(r), r.handle))
+
+  def exchange_body(exchange):
+    def body(state):
+      return consume_output(*state, exchange(*state))
+    return body
+
+  def dispatch_body(state):
+    return consume_probe(*state, probe_all(comm.dispatch(*state)))
+
+  def dispatch_final(state):
+    r = comm.dispatch(*state)
+    return {"x": r.x, "scales": r.scales, "weights": r.weights, "group_sizes": r.group_sizes,
+            "tokens_per_expert": r.tokens_per_expert}
+
+  def dispatch_check(result, n):
+    return reference.check_dispatch(s, ctx.inputs, ctx.expected, result, comm.capacity,
+                                    cfg.expert_padding)
+
+  def combine_init(x, ids, w):
+    r = comm.dispatch(x, ids, w)
+    return identity_expert(r), r.handle
+
+  def combine_body(state):
+    # The next y depends on all of this out (see timing.consume_output): y's first rows
+    # absorb 0 * out, a [T, H] pass in place.
+    y, handle = state
+    out = comm.combine(y, handle)
+    rows = min(out.shape[0], y.shape[0])
+    return y.at[:rows].add(out[:rows] * jnp.zeros((), y.dtype)), handle
+
+  def combine_final(state):
+    return comm.combine(*state)
+
+  name, dtype = comm.backend_name, ctx.dtype_name
+  common = dict(family="jax_moe", name=name, dispatch_dtype=dtype, after_run=comm.check)
+  builders = {
+      "fused": lambda: Method(
+          label=f"{name} fused {dtype} {reduce}", op="fused", combine_reduce=reduce,
+          init=_keep, body=exchange_body(fused), final=lambda st: fused(*st),
+          check=_combine_check(ctx, roundings), bytes_per_rank=dispatch_bytes + combine_bytes,
+          bytes_model=model, **common),
+      "dispatch": lambda: Method(
+          label=f"{name} dispatch {dtype}", op="dispatch", combine_reduce=None,
+          init=_keep, body=dispatch_body, final=dispatch_final, check=dispatch_check,
+          bytes_per_rank=dispatch_bytes, bytes_model=model, **common),
+      "combine": lambda: Method(
+          label=f"{name} combine {dtype} {reduce}", op="combine", combine_reduce=reduce,
+          init=combine_init, body=combine_body, final=combine_final,
+          check=_combine_check(ctx, roundings), bytes_per_rank=combine_bytes,
+          bytes_model=model, **common),
+      "split": lambda: Method(
+          label=f"{name} split {dtype} {reduce}", op="split", combine_reduce=reduce,
+          init=_keep, body=exchange_body(split), final=lambda st: split(*st),
+          check=_combine_check(ctx, roundings), bytes_per_rank=dispatch_bytes + combine_bytes,
+          bytes_model=model, **common),
+  }
+  return [builders[op]() for op in JAX_MOE_OPS if op in ops]
+
+
+# ------------------------------------------------------------------ JAX peers
+def peer_method(ctx: Context, peer: str) -> Method:
+  s, t = ctx.shape, ctx.traffic
+  R = s.ranks
+  exchange = peers.PEERS[peer](s, AXIS)
+  if peer == "all_gather":
+    # Rows, scales, ids and weights gathered; reduce-scatter moves (R-1)/R of R*T rows.
+    nbytes = (R - 1) * s.tokens * (s.row_bytes + 8 * s.topk + s.combine_row_bytes)
+    model = "(R-1)*T rows+routing gathered, (R-1)*T bf16 rows reduce-scattered"
+    roundings = R + 1  # bf16 partial, then up to R-1 bf16 additions in the reduce-scatter
+  elif peer == "all_to_all":
+    nbytes = (R - 1) * s.slots_per_dest * (s.row_bytes + s.combine_row_bytes)
+    model = "(R-1)*T*min(K,L) padded rows each way"
+    roundings = 1
+  else:
+    nbytes = t.remote_slots * (s.row_bytes + s.combine_row_bytes) + 4 * R
+    model = "one row per remote slot each way, plus the counts"
+    roundings = 1
+
+  def body(state):
+    return consume_output(*state, exchange(*state))
+
+  return Method(label=f"{peer} {ctx.dtype_name}", family="peer", name=peer, op="exchange",
+                dispatch_dtype=ctx.dtype_name, combine_reduce="source", init=_keep, body=body,
+                final=lambda st: exchange(*st), check=_combine_check(ctx, roundings),
+                bytes_per_rank=float(nbytes), bytes_model=model)
+
+
+# ------------------------------------------------------------------ probes
+def psum_method(ctx: Context) -> Method:
+  """psum of the [T, H] bf16 tokens: the floor for anything that moves T rows."""
+  s = ctx.shape
+  R = s.ranks
+  x = ctx.inputs.x.astype(np.float64).reshape(R, s.tokens, s.hidden)
+  want = np.tile(x.sum(axis=0), (R, 1))
+  bound = np.tile(np.abs(x).sum(axis=0), (R, 1))
+
+  def body(state):
+    return consume_output(*state, jax.lax.psum(state[0], AXIS))
+
+  return Method(label="psum [T,H] bf16", family="probe", name="psum", op="psum",
+                dispatch_dtype=None, combine_reduce=None, init=_keep, body=body,
+                final=lambda st: jax.lax.psum(st[0], AXIS),
+                check=lambda out, n: reference.check_close(np.asarray(out), want, bound, R),
+                bytes_per_rank=2.0 * (R - 1) / R * s.tokens * s.combine_row_bytes,
+                bytes_model="ring all-reduce: 2*(R-1)/R of the array")
+
+
+P2P_SAMPLE = 1024  # elements of the rotated buffer returned for checking
+
+
+def p2p_method(ctx: Context, size_bytes: int) -> Method:
+  """ppermute of `size_bytes` per rank to the next rank: achieved link bandwidth."""
+  R = ctx.shape.ranks
+  elements = max(size_bytes // 4, 1)
+  sample = min(elements, P2P_SAMPLE)
+  ring = [(i, (i + 1) % R) for i in range(R)]
+
+  def init(x, ids, w):  # rank d's buffer holds d; after n hops rank d holds (d - n) mod R
+    return jnp.full((elements,), jax.lax.axis_index(AXIS), jnp.uint32)
+
+  def check(out, n):
+    got = np.asarray(out).reshape(R, sample)
+    want = ((np.arange(R) - n) % R)[:, None]
+    return {"passed": bool(np.all(got == want)), "n": n}
+
+  size = (f"{size_bytes // 2**20}MiB" if size_bytes >= 2**20 else f"{size_bytes // 2**10}KiB"
+          if size_bytes >= 2**10 else f"{size_bytes}B")
+  return Method(label=f"p2p ppermute {size}", family="probe", name="p2p", op="p2p",
+                dispatch_dtype=None, combine_reduce=None, init=init,
+                body=lambda buf: jax.lax.ppermute(buf, AXIS, ring),
+                final=lambda buf: buf[:sample], check=check,
+                bytes_per_rank=float(elements * 4), bytes_model="buffer size, one hop")
