@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from reference import BF16, combine_tolerance
+import reference as ref
 
 
 def _bits(a):
@@ -38,7 +38,7 @@ def assert_dispatch_matches(fields, expected):
 
 def assert_combine_within(actual, expected, bound, what):
     """|actual - expected| <= bound elementwise; both bf16 [R, T, H]."""
-    assert actual.dtype == BF16, f"{what}: dtype {actual.dtype}, expected bfloat16"
+    assert actual.dtype == ref.BF16, f"{what}: dtype {actual.dtype}, expected bfloat16"
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape}, expected {expected.shape}"
     error = np.abs(actual.astype(np.float32) - expected.astype(np.float32))
     bad = ~(error <= bound)  # NaN in actual counts as bad
@@ -50,7 +50,57 @@ def assert_combine_within(actual, expected, bound, what):
             f"error {error[first]:.3g} > bound {bound[first]:.3g}")
 
 
-def combine_bound(actual, reference, summands):
+def combine_bound(actual, expected, summands):
     """The bound held against a reference.CombineReference (see combine_tolerance)."""
-    return combine_tolerance(actual, reference.out, reference.term_magnitude, summands,
-                             extra=reference.partial_rounding)
+    return ref.combine_tolerance(actual, expected.out, expected.term_magnitude, summands,
+                                 extra=expected.partial_rounding)
+
+
+def check_combine(setup, inputs, result, expected, against_dense=True):
+    """Both combine outputs of a run (moe_runner) against the reference.
+
+    Tolerances (all outputs are bf16 roundings of f32 sums):
+    - Against the spec formula (reference.combine_reference): one bf16 ulp, plus the f32 error
+      bound of the sum in another order, (K + R) * 2**-24 * sum|w * y|, which exceeds a bf16
+      ulp only under cancellation; with bf16 partials also one bf16 ulp per partial, since a
+      partial whose f32 sum differs in its last bit may round to the neighbouring bf16 value.
+    - Against the dense MoE result (no layout involved): the same bound for "source" and
+      "expert" with f32 partials (docs/semantics.md: within one bf16 ulp); with bf16 partials
+      half a bf16 ulp per partial on top, the one extra rounding the spec allows.
+    The dense result knows nothing of rows dropped by capacity overflow: runs that overflow
+    pass against_dense=False.
+    """
+    g = setup.geometry
+    summands = g.experts_per_token + g.axis_size
+    bf16_partials = setup.combine_reduce == "expert" and setup.partial_dtype == "bfloat16"
+    partial = ref.BF16 if bf16_partials else np.float32
+
+    given = ref.combine_reference(g, inputs.routing, expected, inputs.y_given,
+                                  setup.combine_reduce, partial)
+    assert_combine_within(result.out_given, given.out, combine_bound(result.out_given, given, summands),
+                          "combine(random y) vs spec formula")
+    if not against_dense:
+        return
+
+    # y = bf16(dequant(row) * (expert + 1)) against the dense MoE result, which knows no layout.
+    rows = (ref.dequantize_fp8(inputs.rows, inputs.row_scales) if inputs.row_scales is not None
+            else inputs.rows.astype(np.float32))
+    dense, magnitude = ref.dense_moe_reference(g, inputs.routing, rows, ref.scaled_by_expert)
+    scaled = ref.combine_reference(g, inputs.routing, expected, _scaled_y(setup, expected),
+                                   setup.combine_reduce, partial)
+    extra = scaled.partial_rounding / 2  # one rounding of each bf16 partial: half an ulp
+    bound = ref.combine_tolerance(result.out_scaled, dense, magnitude, summands, extra=extra)
+    assert_combine_within(result.out_scaled, dense, bound, "combine(expert_fn(y)) vs dense MoE")
+
+
+def _scaled_y(setup, expected):
+    """The runner's per-expert function applied to the expected layout, per rank."""
+    g = setup.geometry
+    ys = []
+    for rank, want in enumerate(expected.ranks):
+        rows = (ref.dequantize_fp8(want.x, want.scales) if want.scales is not None
+                else want.x.astype(np.float32))
+        expert = rank * g.local_experts + np.searchsorted(np.cumsum(want.group_sizes),
+                                                          np.arange(g.capacity), side="right")
+        ys.append((rows * (expert + 1).astype(np.float32)[:, None]).astype(ref.BF16))
+    return np.stack(ys)

@@ -136,7 +136,7 @@ class Runner:
         """x: [R, T, H] bf16 (or fp8 codes with `scales` [R, T, H/bs]); y_given: [R, cap, H] bf16."""
         g = self.geometry
         R, T = g.axis_size, g.max_tokens
-        if scales is None:
+        if scales is None:  # the program always takes scales; only pre-quantized runs read them
             scales = np.zeros((R, T, g.hidden // self.setup.block_size), np.float32)
         flat = lambda a: a.reshape(R * a.shape[1], *a.shape[2:]) if a.ndim > 1 else a  # noqa: E731
         args = (flat(x), flat(scales), flat(routing.topk_ids), flat(routing.topk_weights),
@@ -146,6 +146,11 @@ class Runner:
         unflatten = lambda d: {k: per_rank(v) for k, v in d.items()}  # noqa: E731
         return RunResult(unflatten(first), unflatten(second), per_rank(out_given),
                          per_rank(out_scaled))
+
+
+def describe(setup_args):
+    """Readable test id for a dict of Setup overrides."""
+    return ",".join(f"{key}={value}" for key, value in setup_args.items())
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,13 +1,6 @@
 """Every backend against the numpy reference: dispatched layout and combine.
 
-Tolerances held for combine (all bf16 outputs of f32 sums):
-- Against the spec formula (reference.combine_reference): one bf16 ulp, plus the f32 error
-  bound of the sum in another order, (K + R) * 2**-24 * sum|w * y|, which exceeds a bf16 ulp
-  only under cancellation; with bf16 partials also one bf16 ulp per partial, since a partial
-  whose f32 sum differs in its last bit may round to the neighbouring bf16 value.
-- Against the dense MoE result (no layout involved): the same bound for "source" and "expert"
-  with f32 partials (docs/semantics.md: within one bf16 ulp); with bf16 partials half a bf16
-  ulp per partial on top, the one extra rounding the spec allows.
+The combine tolerances are stated in checks.check_combine.
 """
 
 import numpy as np
@@ -15,9 +8,9 @@ import pytest
 
 import jax_moe as jm
 import reference as ref
-from checks import assert_bitwise_equal, assert_combine_within, assert_dispatch_matches, combine_bound
+from checks import assert_bitwise_equal, assert_dispatch_matches, check_combine
 from meshes import make_mesh
-from moe_runner import Setup, make_inputs, runner
+from moe_runner import Setup, describe, make_inputs, runner
 from routing_cases import SCENARIOS, routing
 
 AXIS_SIZES = (1, 2, 4, 8)
@@ -33,41 +26,6 @@ def run_case(setup, rng, scenario):
     assert not any(r.overflow for r in expected.ranks), "scenario must fit the default capacity"
     run.comm.check()
     return inputs, result, expected
-
-
-def check_combine(setup, inputs, result, expected):
-    g = setup.geometry
-    summands = g.experts_per_token + g.axis_size
-    bf16_partials = setup.combine_reduce == "expert" and setup.partial_dtype == "bfloat16"
-    partial = ref.BF16 if bf16_partials else np.float32
-
-    given = ref.combine_reference(g, inputs.routing, expected, inputs.y_given,
-                                  setup.combine_reduce, partial)
-    assert_combine_within(result.out_given, given.out, combine_bound(result.out_given, given, summands),
-                          "combine(random y) vs spec formula")
-
-    # y = bf16(dequant(row) * (expert + 1)) against the dense MoE result, which knows no layout.
-    rows = (ref.dequantize_fp8(inputs.rows, inputs.row_scales) if inputs.row_scales is not None
-            else inputs.rows.astype(np.float32))
-    dense, magnitude = ref.dense_moe_reference(g, inputs.routing, rows, ref.scaled_by_expert)
-    scaled = ref.combine_reference(g, inputs.routing, expected, _scaled_y(setup, expected),
-                                   setup.combine_reduce, partial)
-    extra = scaled.partial_rounding / 2  # one rounding of each bf16 partial: half an ulp
-    bound = ref.combine_tolerance(result.out_scaled, dense, magnitude, summands, extra=extra)
-    assert_combine_within(result.out_scaled, dense, bound, "combine(expert_fn(y)) vs dense MoE")
-
-
-def _scaled_y(setup, expected):
-    """The runner's per-expert function applied to the expected layout, per rank."""
-    g = setup.geometry
-    ys = []
-    for rank, want in enumerate(expected.ranks):
-        rows = (ref.dequantize_fp8(want.x, want.scales) if want.scales is not None
-                else want.x.astype(np.float32))
-        expert = rank * g.local_experts + np.searchsorted(np.cumsum(want.group_sizes),
-                                                          np.arange(g.capacity), side="right")
-        ys.append((rows * (expert + 1).astype(np.float32)[:, None]).astype(ref.BF16))
-    return np.stack(ys)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -102,7 +60,7 @@ def test_num_tokens_omitted_sends_every_token(backend, rng):
 @pytest.mark.parametrize("setup_args", (
     dict(axis_size=8, dispatch="fp8", expert_padding=16),
     dict(axis_size=4, dispatch="bf16", combine_reduce="expert", partial_dtype="bfloat16"),
-))
+), ids=describe)
 def test_repeated_runs_are_bit_identical(backend, setup_args, rng):
     setup = Setup(backend, **setup_args)
     run = runner(setup)
@@ -121,7 +79,7 @@ def test_repeated_runs_are_bit_identical(backend, setup_args, rng):
     dict(axis_size=2, dispatch="fp8", expert_padding=16),
     dict(axis_size=4, dispatch="bf16", combine_reduce="expert", partial_dtype="bfloat16"),
     dict(axis_size=8, dispatch="fp8-prequantized", combine_reduce="expert"),
-))
+), ids=describe)
 def test_split_halves_equal_fused_calls(backend, setup_args, rng):
     fused = Setup(backend, **setup_args)
     split = Setup(backend, split=True, **setup_args)

@@ -1,0 +1,108 @@
+"""Run-time errors: recorded in the communicator's error word, raised by comm.check().
+
+Each test uses its own communicators (purpose="errors"), so a pending error never leaks into
+the parity tests. Inputs follow docs/semantics.md "Errors": the first error wins until
+check() raises and clears it.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_moe as jm
+import reference as ref
+from checks import assert_dispatch_matches, check_combine
+from moe_runner import AXIS, Setup, make_inputs, runner, shard_map
+from routing_cases import routing
+
+DISPATCH_SEND, DISPATCH_RECV = 1, 2
+
+
+def run_with(setup, rng, routing_):
+    run = runner(setup)
+    inputs = make_inputs(setup, rng, routing_)
+    result = inputs.run(run)
+    expected = ref.dispatch_reference(setup.geometry, routing_, inputs.rows, inputs.row_scales)
+    return run, inputs, result, expected
+
+
+def expect_error(comm, code, stage, rank, detail):
+    with pytest.raises(jm.CommError) as info:
+        comm.check()
+    err = info.value
+    got = (int(err.code), int(err.stage), err.rank, err.detail)
+    assert got[0] == code and got[2] == rank and got[3] == detail, f"(code, stage, rank, detail) = {got}"
+    assert got[1] in stage, f"stage {got[1]}, expected one of {stage}"
+    comm.check()  # raising cleared it
+
+
+@pytest.mark.parametrize("bad_id", (16, 19, -2, -7))
+def test_invalid_expert_id_is_recorded_and_the_slot_unrouted(backend, bad_id, rng):
+    setup = Setup(backend, 4, "fp8", purpose="errors")
+    good = routing(rng, setup.geometry, "random")
+    ids = good.topk_ids.copy()
+    ids[2, 5, 1] = bad_id
+    run, inputs, result, expected = run_with(setup, rng, dataclasses.replace(good, topk_ids=ids))
+    assert ref.invalid_ids(setup.geometry, inputs.routing) == [(2, 5, 1, bad_id)]
+    expect_error(run.comm, 1, {DISPATCH_SEND}, rank=2, detail=bad_id)
+    # the slot counts as -1: every other row and the combine are unaffected
+    assert_dispatch_matches(result.first, expected)
+    check_combine(setup, inputs, result, expected)
+    # a clean call afterwards records nothing
+    run_with(setup, rng, good)
+    run.comm.check()
+
+
+@pytest.mark.parametrize("dispatch, expert_padding", (("bf16", 1), ("fp8", 16)))
+def test_capacity_overflow_is_recorded_and_drops_only_rows_past_capacity(
+        backend, dispatch, expert_padding, rng):
+    # Every token of both ranks picks K=4 distinct experts of rank 1 (experts 8..15):
+    # rank 1 needs 2 * 16 * 4 = 128 rows (plus padding), max_recv_tokens gives it 40;
+    # rank 0 receives nothing.
+    setup = Setup(backend, 2, dispatch, expert_padding, max_recv_tokens=40, purpose="errors")
+    g = setup.geometry
+    keys = rng.random((2, g.max_tokens, 8))
+    ids = (8 + np.argsort(keys, axis=-1)[..., :4]).astype(np.int32)
+    overflowing = ref.Routing(ids, rng.uniform(0, 1, (2, g.max_tokens, 4)).astype(np.float32),
+                              np.full(2, g.max_tokens, np.int32))
+    run, inputs, result, expected = run_with(setup, rng, overflowing)
+    needed = expected.ranks[1].rows_needed  # "rows that needed a place": sum(group_sizes)
+    assert expected.ranks[1].tokens_per_expert.sum() == 128 and not expected.ranks[0].overflow
+    expect_error(run.comm, 2, {DISPATCH_SEND, DISPATCH_RECV}, rank=1, detail=needed)
+    # true counts, rows below capacity in place, dropped rows contribute nothing to combine
+    assert_dispatch_matches(result.first, expected)
+    check_combine(setup, inputs, result, expected, against_dense=False)
+
+
+@pytest.mark.parametrize("bad_count", (-1, 17, 1000))
+def test_bad_num_tokens_is_recorded(backend, bad_count, rng):
+    setup = Setup(backend, 4, "bf16", purpose="errors")
+    r = routing(rng, setup.geometry, "random")
+    num_tokens = r.num_tokens.copy()
+    num_tokens[3] = bad_count
+    run = runner(setup)
+    make_inputs(setup, rng, dataclasses.replace(r, num_tokens=num_tokens)).run(run)
+    expect_error(run.comm, 4, {DISPATCH_SEND}, rank=3, detail=bad_count)
+
+
+def test_pending_error_raises_at_the_next_trace(backend, rng):
+    setup = Setup(backend, 2, "bf16", purpose="errors-next-trace")
+    r = routing(rng, setup.geometry, "random")
+    ids = r.topk_ids.copy()
+    ids[1, 0, 0] = 99
+    run = runner(setup)
+    make_inputs(setup, rng, dataclasses.replace(r, topk_ids=ids)).run(run)
+
+    def per_shard(x, topk_ids, topk_weights):
+        return run.comm.dispatch(x, topk_ids, topk_weights).x
+
+    g = setup.geometry
+    shapes = (jax.ShapeDtypeStruct((2 * g.max_tokens, g.hidden), jax.numpy.bfloat16),
+              jax.ShapeDtypeStruct((2 * g.max_tokens, g.experts_per_token), np.int32),
+              jax.ShapeDtypeStruct((2 * g.max_tokens, g.experts_per_token), np.float32))
+    with pytest.raises(jm.CommError) as info:
+        jax.eval_shape(shard_map(per_shard, run.mesh, in_specs=P(AXIS), out_specs=P(AXIS)), *shapes)
+    assert (int(info.value.code), info.value.rank, info.value.detail) == (1, 1, 99)
