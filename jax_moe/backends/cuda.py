@@ -1,0 +1,207 @@
+"""The `cuda` backend: dispatch/combine as XLA FFI custom calls over NVLink (one node).
+
+Each rank owns one buffer (cuda/layout.cuh), allocated when the Communicator is built and
+mapped by every peer: in one process through peer access, across processes through CUDA IPC
+handles exchanged in the jax.distributed key-value store. Source ranks write routes and token
+rows straight into their destinations' buffers and raise a sequence flag; sequence numbers
+live in device memory and every wait has a timeout (JAX_MOE_TIMEOUT_S, default 10 s).
+
+Every method runs inside `jax.shard_map` over the communicator's axis, on per-shard arrays
+already checked by the Communicator. The FFI targets and their argument order are those of
+ffi/cuda/dispatch.cc and ffi/cuda/combine.cc.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe import native
+from jax_moe.config import MoEConfig
+
+_comm_ids = itertools.count(1)  # every process builds its communicators in the same order
+_KV_TIMEOUT_MS = 120_000
+
+
+class CudaHandle(NamedTuple):
+  """What combine needs, produced by dispatch; valid for one combine."""
+  slot_rows: jax.Array     # [R, T, K] int32 row here of slot (s, t, k); -1 not here, -2 dropped
+  row_weights: jax.Array   # [capacity] f32 router weight of each dispatched row
+  send_dest: jax.Array     # [T, K] int32 rank holding this rank's slot (t, k), -1 if not routed
+  topk_weights: jax.Array  # [T, K] f32 this rank's router weights
+
+
+class CudaDispatchPending(NamedTuple):
+  send_dest: jax.Array     # [T, K] int32, also orders dispatch_recv after dispatch_send
+  topk_weights: jax.Array
+
+
+class CudaCombinePending(NamedTuple):
+  done: jax.Array          # [1] int32 marker that orders combine_recv after combine_send
+  send_dest: jax.Array
+  topk_weights: jax.Array
+
+
+def _timeout_s() -> float:
+  text = os.environ.get("JAX_MOE_TIMEOUT_S", "10")
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not value > 0:
+    raise ValueError(f"JAX_MOE_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+  return value
+
+
+def _rank_groups(mesh, axis: str) -> np.ndarray:
+  """[groups, R] devices: each row is one expert-parallel group, in rank order."""
+  devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), -1)
+  return devices.reshape(-1, devices.shape[-1])
+
+
+class CudaBackend:
+  name = "cuda"
+
+  def __init__(self, cfg: MoEConfig, mesh, axis: str):
+    module = native.load()
+    if module is None or not native.has_cuda():
+      raise ValueError("Communicator(backend='cuda'): jax_moe._native was not built with CUDA "
+                       f"({native.build_info()['native_error'] or 'CUDA off in this build'})")
+    native.register_targets()
+    self._native = module
+    self.cfg = cfg
+    self.R = mesh.shape[axis]
+    self.L = cfg.num_local_experts(self.R)
+    self.capacity = cfg.capacity(self.R)
+    self.comm_id = next(_comm_ids)
+    self._ordinals: list[int] = []  # local devices holding a rank of this communicator
+    try:
+      self._connect(_rank_groups(mesh, axis), _timeout_s())
+    except BaseException:
+      self.close()
+      raise
+
+  def _connect(self, groups: np.ndarray, timeout_s: float) -> None:
+    cfg, me = self.cfg, jax.process_index()
+    for group in groups:
+      for rank, device in enumerate(group):
+        if device.process_index != me:
+          continue
+        self._native.cuda_create_rank(
+            comm_id=self.comm_id, ordinal=device.local_hardware_id, rank=rank, world=self.R,
+            max_tokens=cfg.max_tokens, hidden=cfg.hidden, topk=cfg.experts_per_token,
+            num_experts=cfg.num_experts, block_size=cfg.block_size,
+            expert_padding=cfg.expert_padding, capacity=self.capacity, fp8=cfg.is_fp8,
+            reduce_expert=cfg.combine_reduce == "expert",
+            partial_bf16=cfg.partial_dtype == np.dtype(jnp.bfloat16), timeout_s=timeout_s)
+        self._ordinals.append(device.local_hardware_id)
+    for index, group in enumerate(groups):
+      local = [d.local_hardware_id if d.process_index == me else -1 for d in group]
+      if all(o < 0 for o in local):
+        continue
+      handles = self._exchange_ipc_handles(index, group, local)
+      for ordinal in local:
+        if ordinal >= 0:
+          self._native.cuda_connect_rank(self.comm_id, ordinal, local, handles)
+
+  def _exchange_ipc_handles(self, index: int, group, local: list[int]) -> list[bytes]:
+    """IPC handles of the ranks in other processes (b"" for ranks of this process)."""
+    if all(o >= 0 for o in local):
+      return [b""] * len(local)
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None:
+      raise ValueError("Communicator(backend='cuda'): ranks span processes; call "
+                       "jax.distributed.initialize() first")
+    key = lambda rank: f"jax_moe/cuda/{self.comm_id}/{index}/{rank}"  # noqa: E731
+    for rank, ordinal in enumerate(local):
+      if ordinal >= 0:
+        client.key_value_set(key(rank), self._native.cuda_ipc_handle(self.comm_id, ordinal).hex())
+    return [b"" if ordinal >= 0 else
+            bytes.fromhex(client.blocking_key_value_get(key(rank), _KV_TIMEOUT_MS))
+            for rank, ordinal in enumerate(local)]
+
+  # ---------------------------------------------------------------- lifecycle
+  def check(self):
+    """The first recorded error of the local ranks as (code, stage, rank, detail), cleared."""
+    errors = [self._native.cuda_take_error(self.comm_id, o) for o in self._ordinals]
+    errors = [e for e in errors if e is not None]
+    return min(errors, key=lambda e: e[2]) if errors else None
+
+  def close(self) -> None:
+    while self._ordinals:
+      self._native.cuda_destroy_rank(self.comm_id, self._ordinals.pop())
+
+  # ---------------------------------------------------------------- FFI calls
+  def _call(self, target: str, result_types, *args):
+    return jax.ffi.ffi_call(target, result_types, has_side_effect=True)(
+        *args, comm_id=np.int64(self.comm_id))
+
+  def _token_args(self, x):
+    """(x, x_scales): fp8 codes with their scales, or bf16 rows with the empty f32 [0]."""
+    if isinstance(x, tuple):
+      return x
+    return x, jnp.zeros((0,), jnp.float32)
+
+  def _send_dest_type(self):
+    return jax.ShapeDtypeStruct((self.cfg.max_tokens, self.cfg.experts_per_token), jnp.int32)
+
+  def _recv_types(self):
+    cfg, C = self.cfg, self.capacity
+    scales = (C, cfg.num_scale_blocks) if cfg.is_fp8 else (0,)
+    return (jax.ShapeDtypeStruct((C, cfg.hidden), cfg.dispatch_dtype),
+            jax.ShapeDtypeStruct(scales, jnp.float32),
+            jax.ShapeDtypeStruct((C,), jnp.float32),
+            jax.ShapeDtypeStruct((self.L,), jnp.int32),
+            jax.ShapeDtypeStruct((self.L,), jnp.int32),
+            jax.ShapeDtypeStruct((self.R, cfg.max_tokens, cfg.experts_per_token), jnp.int32))
+
+  def _dispatched(self, recv_outputs, send_dest, topk_weights):
+    from jax_moe.communicator import Dispatched
+    x, scales, weights, group_sizes, tokens_per_expert, slot_rows = recv_outputs
+    handle = CudaHandle(slot_rows=slot_rows, row_weights=weights, send_dest=send_dest,
+                        topk_weights=topk_weights)
+    return Dispatched(x=x, scales=scales if self.cfg.is_fp8 else None, weights=weights,
+                      group_sizes=group_sizes, tokens_per_expert=tokens_per_expert,
+                      handle=handle)
+
+  # ---------------------------------------------------------------- dispatch
+  def dispatch_send(self, x, topk_ids, topk_weights, num_tokens) -> CudaDispatchPending:
+    send_dest = self._call("jax_moe_dispatch_send", self._send_dest_type(),
+                           *self._token_args(x), topk_ids, topk_weights, num_tokens)
+    return CudaDispatchPending(send_dest, topk_weights)
+
+  def dispatch_recv(self, p: CudaDispatchPending):
+    outputs = self._call("jax_moe_dispatch_recv", self._recv_types(), p.send_dest)
+    return self._dispatched(outputs, p.send_dest, p.topk_weights)
+
+  def dispatch(self, x, topk_ids, topk_weights, num_tokens):
+    send_dest, *outputs = self._call("jax_moe_dispatch",
+                                     (self._send_dest_type(),) + self._recv_types(),
+                                     *self._token_args(x), topk_ids, topk_weights, num_tokens)
+    return self._dispatched(outputs, send_dest, topk_weights)
+
+  # ---------------------------------------------------------------- combine
+  def _out_type(self):
+    return jax.ShapeDtypeStruct((self.cfg.max_tokens, self.cfg.hidden), jnp.bfloat16)
+
+  def combine_send(self, y, handle: CudaHandle) -> CudaCombinePending:
+    done = self._call("jax_moe_combine_send", jax.ShapeDtypeStruct((1,), jnp.int32),
+                      y, handle.slot_rows, handle.row_weights)
+    return CudaCombinePending(done, handle.send_dest, handle.topk_weights)
+
+  def combine_recv(self, q: CudaCombinePending):
+    return self._call("jax_moe_combine_recv", self._out_type(), q.done, q.send_dest,
+                      q.topk_weights)
+
+  def combine(self, y, handle: CudaHandle):
+    out, _ = self._call("jax_moe_combine",
+                        (self._out_type(), jax.ShapeDtypeStruct((1,), jnp.int32)),
+                        y, handle.slot_rows, handle.row_weights, handle.send_dest,
+                        handle.topk_weights)
+    return out

@@ -1,0 +1,126 @@
+"""The cuda backend on GPUs, beyond the shared parity tests (tests/test_parity.py runs it too).
+
+- Against the xla backend on the same inputs, with the device memory the outputs will land
+  in filled with a non-zero pattern first, so a row the kernels forget to write shows up.
+- A rank that never reaches the exchange makes its peer time out: TIMEOUT is recorded, and
+  the communicator refuses further calls instead of waiting again.
+benchmarks/gpu_run.sh also runs this file with XLA command buffers off and forced on.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_moe as jm
+import reference as ref
+from checks import assert_bitwise_equal, assert_combine_within
+from meshes import make_mesh
+from moe_runner import AXIS, DISPATCH_FIELDS, Setup, describe, make_inputs, runner, shard_map
+from routing_cases import routing
+
+pytestmark = pytest.mark.gpu
+
+CASES = (
+    dict(axis_size=1, dispatch="fp8"),
+    dict(axis_size=1, dispatch="bf16", combine_reduce="expert", expert_padding=16),
+    dict(axis_size=2, dispatch="fp8", expert_padding=16),
+    dict(axis_size=2, dispatch="bf16"),
+    dict(axis_size=2, dispatch="fp8-prequantized", combine_reduce="expert"),
+    dict(axis_size=2, dispatch="bf16", combine_reduce="expert", partial_dtype="bfloat16",
+         split=True),
+    dict(axis_size=2, dispatch="fp8", expert_padding=16, split=True),
+)
+SCENARIOS = ("random", "skewed", "one_expert", "silent_ranks", "unused_slots",
+             "partial_tokens", "duplicates")
+POISON_BYTE = 0xA5  # non-zero in every dtype the outputs use, and no valid row or count
+
+
+def poison_device_memory(setup):
+    """Fills, then frees, buffers of each output's size on every device of the setup.
+
+    XLA's allocator hands freed blocks to the next allocations of similar size, so the next
+    run's outputs start out holding the pattern rather than zeros.
+    """
+    g = setup.geometry
+    C, T, H, K, R = g.capacity, g.max_tokens, g.hidden, g.experts_per_token, g.axis_size
+    sizes = (C * H * 2, C * H, C * (H // setup.block_size) * 4, C * 4, T * H * 2, R * T * K * 4)
+    junk = [jax.device_put(np.full(n, POISON_BYTE, np.uint8), device)
+            for device in jax.devices()[:R] for n in sizes for _ in range(2)]
+    jax.block_until_ready(junk)
+    del junk
+
+
+def combine_bound(setup, routing_, y_max, got, want):
+    """One bf16 ulp, plus the f32 error of summing K + R terms in another order (cancellation).
+
+    y_max bounds |y| over every row, so |w| summed over a token's slots times y_max bounds the
+    magnitude of its terms.
+    """
+    magnitude = np.abs(routing_.topk_weights).sum(-1, keepdims=True) * np.float32(y_max)
+    summands = setup.experts_per_token + setup.axis_size
+    bound = ref.bf16_ulp(np.maximum(np.abs(got.astype(np.float32)), np.abs(want.astype(np.float32))))
+    if setup.combine_reduce == "expert" and setup.partial_dtype == "bfloat16":
+        bound = bound * (1 + setup.axis_size)  # each bf16 partial may round to a neighbour
+    return bound + summands * np.float32(2.0**-24) * magnitude
+
+
+@pytest.mark.parametrize("case", CASES, ids=describe)
+def test_cuda_equals_xla_on_poisoned_memory(case, rng):
+    cuda, xla = Setup("cuda", **case), Setup("xla", **case)
+    cuda_run, xla_run = runner(cuda), runner(xla)
+    for scenario in SCENARIOS:
+        inputs = make_inputs(cuda, rng, routing(rng, cuda.geometry, scenario))
+        want = inputs.run(xla_run)
+        poison_device_memory(cuda)
+        got = inputs.run(cuda_run)
+        cuda_run.comm.check()
+        xla_run.comm.check()
+        for call in ("first", "second"):
+            for name in DISPATCH_FIELDS:
+                w, g = getattr(want, call)[name], getattr(got, call)[name]
+                if w is None:
+                    assert g is None, f"{scenario}: {name} must be None"
+                else:
+                    assert_bitwise_equal(g, w, f"{scenario}: {call} dispatch {name}")
+        given_max = np.abs(inputs.y_given.astype(np.float32)).max()
+        assert_combine_within(got.out_given, want.out_given,
+                              combine_bound(cuda, inputs.routing, given_max, got.out_given,
+                                            want.out_given),
+                              f"{scenario}: combine(random y)")
+        rows = (ref.dequantize_fp8(inputs.rows, inputs.row_scales)
+                if inputs.row_scales is not None else inputs.rows.astype(np.float32))
+        scaled_max = np.abs(rows).max() * cuda.num_experts  # expert_fn scales by expert + 1
+        assert_combine_within(got.out_scaled, want.out_scaled,
+                              combine_bound(cuda, inputs.routing, scaled_max, got.out_scaled,
+                                            want.out_scaled),
+                              f"{scenario}: combine(expert_fn(y))")
+
+
+def test_missing_peer_times_out_and_the_communicator_refuses_further_calls(monkeypatch):
+    mesh = make_mesh(2)
+    monkeypatch.setenv("JAX_MOE_TIMEOUT_S", "0.5")
+    cfg = jm.MoEConfig(num_experts=4, experts_per_token=2, hidden=128, max_tokens=8,
+                       dispatch_dtype=jnp.bfloat16)
+    comm = jm.Communicator(cfg, mesh, axis=AXIS, backend="cuda")
+
+    def per_shard(x, topk_ids, topk_weights):
+        # Only rank 0 dispatches; it waits for rank 1's flag until the timeout.
+        return jax.lax.cond(jax.lax.axis_index(AXIS) == 0,
+                            lambda: comm.dispatch(x, topk_ids, topk_weights).weights,
+                            lambda: jnp.zeros((comm.capacity,), jnp.float32))
+
+    program = jax.jit(shard_map(per_shard, mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+    x = jnp.ones((16, 128), jnp.bfloat16)
+    ids = jnp.tile(jnp.array([[0, 3]], jnp.int32), (16, 1))
+    weights = jnp.full((16, 2), 0.5, jnp.float32)
+    jax.block_until_ready(program(x, ids, weights))
+    with pytest.raises(jm.CommError) as info:
+        comm.check()
+    err = info.value
+    assert (err.code, err.stage, err.rank, err.detail) == (
+        jm.ErrorCode.TIMEOUT, jm.Stage.DISPATCH_RECV, 0, 1)
+    with pytest.raises(Exception, match="jax_moe CommError"):
+        jax.block_until_ready(program(x, ids, weights))
+    comm.close()
