@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import matplotlib.patches
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
@@ -36,8 +37,10 @@ def plot_results(payload: dict, path: Path) -> bool:
                f"top-{cfg['topk']} of {cfg['experts']}, {cfg['routing']} routing\n"
                f"{env['device_count']} x {env['device_kind']}, jax {env['jax_version']}",
                fontsize=9)
-  for i, m in enumerate(medians):
-    ax.text(m, i, f" {m:.1f}", va="center", fontsize=7)
+  for i, (m, r) in enumerate(zip(medians, rows)):
+    ax.text(max(m, r["time"]["p90_us"]), i, f" {m:.1f}", va="center", fontsize=7)
+  ax.legend(handles=[matplotlib.patches.Patch(color=c, label=f) for f, c in FAMILY_COLORS.items()],
+            loc="lower right", fontsize=8)
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=120)
