@@ -124,7 +124,8 @@ void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double
     check_cuda(cudaMalloc(&s.expert_counts, 4 * counts), "cudaMalloc(expert counts)");
     check_cuda(cudaMalloc(&s.slot_rank, 4 * slots), "cudaMalloc(slot ranks)");
     check_cuda(cudaMalloc(&s.peers_device, sizeof(char*) * dims.world), "cudaMalloc(peer table)");
-    check_cuda(cudaHostAlloc(&s.error_host, sizeof(ErrorRecord), cudaHostAllocMapped),
+    check_cuda(cudaHostAlloc(&s.error_host, sizeof(ErrorRecord),
+                             cudaHostAllocMapped | cudaHostAllocPortable),
                "cudaHostAlloc(error record)");
     std::memset(s.error_host, 0, sizeof(ErrorRecord));
     check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.error_device), s.error_host, 0),
