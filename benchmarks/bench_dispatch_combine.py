@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import jax_moe as jm  # noqa: E402
-from benchmarks import methods, plot, reference, report  # noqa: E402
+from benchmarks import methods, plot, report  # noqa: E402
 from benchmarks.environment import SHARDED, device_slug, ep_mesh, provenance  # noqa: E402
 from benchmarks.problem import ROUTINGS, Shape, make_inputs, traffic  # noqa: E402
 from benchmarks.timing import loop_program, time_per_iteration, wall_time  # noqa: E402
@@ -119,7 +119,7 @@ def run_method(method: methods.Method, mesh, device_inputs, args) -> dict:
     program = loop_program(mesh, method.init, method.body, method.final)
     run = lambda n: program(*device_inputs, np.int32(n))
     _, out = wall_time(run, args.short_iters)  # compiles
-    record["correctness"] = method.check(jax.device_get(out), args.short_iters)
+    record["correctness"] = method.check(out, args.short_iters)
     method.after_run()
     if not record["correctness"]["passed"]:
       record.update(status="failed", reason="differs from the reference; not timed")
@@ -127,7 +127,7 @@ def run_method(method: methods.Method, mesh, device_inputs, args) -> dict:
       timing, out = time_per_iteration(run, args.short_iters, args.iters, args.reps,
                                        args.budget_s)
       record["time"] = timing
-      record["correctness_after_timing"] = method.check(jax.device_get(out), timing["n_long"])
+      record["correctness_after_timing"] = method.check(out, timing["n_long"])
       method.after_run()
       passed = record["correctness_after_timing"]["passed"]
       record.update(status="ok" if passed else "failed",
@@ -216,14 +216,12 @@ def run_phase(phase: str, tokens: int, mesh, backends: list[str], args) -> dict:
   results, ctx = [], None
   for dtype in args.dispatch_dtypes:
     shape = dataclasses.replace(base, fp8=dtype == "fp8")
-    ctx = methods.Context(mesh=mesh, shape=shape, inputs=inputs,
-                          expected=reference.expected(shape, inputs), traffic=moved)
+    ctx = methods.make_context(mesh, shape, inputs, moved)
     for backend in backends:
       results += jax_moe_records(ctx, mesh, device_inputs, backend, args)
     results += peer_records(ctx, mesh, device_inputs, args)
   if ctx is None:  # no dispatch dtype asked for: the probes still need a context
-    ctx = methods.Context(mesh=mesh, shape=base, inputs=inputs,
-                          expected=reference.expected(base, inputs), traffic=moved)
+    ctx = methods.make_context(mesh, base, inputs, moved)
   results += probe_records(ctx, mesh, device_inputs, args)
 
   return {

@@ -13,10 +13,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 import jax_moe as jm
 from benchmarks import peers, reference
-from benchmarks.environment import AXIS
+from benchmarks.environment import AXIS, SHARDED
 from benchmarks.problem import Inputs, Shape, Traffic
 from benchmarks.timing import consume_output, consume_probe, probe_all
 
@@ -35,10 +36,22 @@ class Context:
   inputs: Inputs
   expected: reference.Expected
   traffic: Traffic
+  combined: jax.Array  # expected.combined and .bound on the devices, sharded like outputs
+  bound: jax.Array
 
   @property
   def dtype_name(self) -> str:
     return "fp8" if self.shape.fp8 else "bf16"
+
+
+def _on_devices(mesh, a: np.ndarray) -> jax.Array:
+  return jax.device_put(a, NamedSharding(mesh, SHARDED))
+
+
+def make_context(mesh, shape: Shape, inputs: Inputs, moved: Traffic) -> Context:
+  want = reference.expected(shape, inputs)
+  return Context(mesh=mesh, shape=shape, inputs=inputs, expected=want, traffic=moved,
+                 combined=_on_devices(mesh, want.combined), bound=_on_devices(mesh, want.bound))
 
 
 @dataclasses.dataclass
@@ -68,8 +81,7 @@ def _keep(x, topk_ids, topk_weights):
 
 
 def _combine_check(ctx: Context, roundings: int):
-  return lambda out, n: reference.check_close(np.asarray(out), ctx.expected.combined,
-                                              ctx.expected.bound, roundings)
+  return lambda out, n: reference.check_close(out, ctx.combined, ctx.bound, roundings)
 
 
 # ------------------------------------------------------------------ jax_moe backends
@@ -208,8 +220,8 @@ def psum_method(ctx: Context) -> Method:
   s = ctx.shape
   R = s.ranks
   x = ctx.inputs.x.astype(np.float64).reshape(R, s.tokens, s.hidden)
-  want = np.tile(x.sum(axis=0), (R, 1))
-  bound = np.tile(np.abs(x).sum(axis=0), (R, 1))
+  want = _on_devices(ctx.mesh, np.tile(x.sum(axis=0), (R, 1)).astype(np.float32))
+  bound = _on_devices(ctx.mesh, np.tile(np.abs(x).sum(axis=0), (R, 1)).astype(np.float32))
 
   def body(state):
     return consume_output(*state, jax.lax.psum(state[0], AXIS))
@@ -217,7 +229,7 @@ def psum_method(ctx: Context) -> Method:
   return Method(label="psum [T,H] bf16", family="probe", name="psum", op="psum",
                 dispatch_dtype=None, combine_reduce=None, init=_keep, body=body,
                 final=lambda st: jax.lax.psum(st[0], AXIS),
-                check=lambda out, n: reference.check_close(np.asarray(out), want, bound, R),
+                check=lambda out, n: reference.check_close(out, want, bound, R),
                 bytes_per_rank=2.0 * (R - 1) / R * s.tokens * s.combine_row_bytes,
                 bytes_model="ring all-reduce: 2*(R-1)/R of the array")
 

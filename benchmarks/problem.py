@@ -68,7 +68,9 @@ class Inputs:
 def make_inputs(shape: Shape, routing: str, seed: int) -> Inputs:
   """Random tokens and top-k routing from a softmax over random router logits.
 
-  The top-k probabilities are renormalised to sum to 1 (DeepSeek-V3 style). With
+  The weights are the top-k probabilities, not renormalised: their per-token sums differ
+  and stay below 1, so a combine that mixes up or ignores weights cannot match the
+  reference by accident (as a mean would if every sum were 1). With
   routing="skewed" expert popularity follows Zipf(1) over a random order of the experts:
   log(popularity) is added to the logits, so a few experts (and their ranks) get most rows.
   """
@@ -85,8 +87,7 @@ def make_inputs(shape: Shape, routing: str, seed: int) -> Inputs:
   probs /= probs.sum(axis=1, keepdims=True)
   # Highest first; argsort of the negation keeps the lower id first on ties.
   ids = np.argsort(-probs, axis=1, kind="stable")[:, :shape.topk].astype(np.int32)
-  weights = np.take_along_axis(probs, ids, axis=1)
-  weights = (weights / weights.sum(axis=1, keepdims=True)).astype(np.float32)
+  weights = np.take_along_axis(probs, ids, axis=1).astype(np.float32)
   return Inputs(x=x, topk_ids=ids, topk_weights=weights)
 
 

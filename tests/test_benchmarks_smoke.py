@@ -104,9 +104,7 @@ def test_peer_exchange_matches_dense_reference(peer, fp8, monkeypatch):
     shape = Shape(ranks=4, tokens=16, hidden=256, experts=16, topk=4, fp8=fp8, block_size=128)
     inputs = _inputs_with_unrouted_slots(shape)
     mesh = _host_mesh(shape.ranks)
-    ctx = methods.Context(mesh=mesh, shape=shape, inputs=inputs,
-                          expected=reference.expected(shape, inputs),
-                          traffic=traffic(shape, inputs))
+    ctx = methods.make_context(mesh, shape, inputs, traffic(shape, inputs))
     method = methods.peer_method(ctx, peer)
     spec = PartitionSpec("ep")
     run = jax.jit(shard_map(method.final, mesh, in_specs=((spec, spec, spec),), out_specs=spec))
@@ -120,10 +118,9 @@ def test_peer_exchange_matches_dense_reference(peer, fp8, monkeypatch):
 def test_checks_reject_a_wrong_dispatch_and_a_wrong_combine():
     shape = Shape(ranks=4, tokens=8, hidden=256, experts=16, topk=4, fp8=True, block_size=128)
     inputs = _inputs_with_unrouted_slots(shape)
-    want = reference.expected(shape, inputs)
     mesh = _host_mesh(shape.ranks)
-    ctx = methods.Context(mesh=mesh, shape=shape, inputs=inputs, expected=want,
-                          traffic=traffic(shape, inputs))
+    ctx = methods.make_context(mesh, shape, inputs, traffic(shape, inputs))
+    want = ctx.expected
     comm = methods.make_communicator(ctx, "xla", "source", "f32", expert_padding=1)
     method = methods.jax_moe_methods(ctx, comm, ("dispatch",))[0]
     spec = PartitionSpec("ep")
