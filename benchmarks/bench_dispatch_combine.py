@@ -98,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--budget-s", type=float, default=20.0,
                  help="shorten the long loop of slow methods to about this many seconds")
   p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+  p.add_argument("--git-commit", default=None,
+                 help="commit to record when the checkout has no .git (a copied tree)")
   args = p.parse_args(argv)
   if not 0 <= args.short_iters < args.iters:
     p.error(f"--short-iters must be in [0, --iters), got {args.short_iters} and {args.iters}")
@@ -118,8 +120,9 @@ def run_method(method: methods.Method, mesh, device_inputs, args) -> dict:
   try:
     program = loop_program(mesh, method.init, method.body, method.final)
     run = lambda n: program(*device_inputs, np.int32(n))
-    _, out = wall_time(run, args.short_iters)  # compiles
-    record["correctness"] = method.check(out, args.short_iters)
+    # One exchange (n = 0) first: compiles, and costs little if the method is broken.
+    _, out = wall_time(run, 0)
+    record["correctness"] = method.check(out, 0)
     method.after_run()
     if not record["correctness"]["passed"]:
       record.update(status="failed", reason="differs from the reference; not timed")
@@ -145,25 +148,26 @@ def run_method(method: methods.Method, mesh, device_inputs, args) -> dict:
 
 
 def jax_moe_records(ctx, mesh, device_inputs, backend, args) -> list[dict]:
+  """Every op of `backend` in every combine mode, each on a fresh communicator so that a
+  method that breaks the protocol (a timeout, say) cannot fail the ones after it."""
   records = []
   for i, reduce in enumerate(args.reduce):
     # Dispatch alone is the same work in both combine modes: time it once per dtype.
-    ops = tuple(op for op in args.ops if not (op == "dispatch" and i > 0))
-    try:
-      comm = methods.make_communicator(ctx, backend, reduce, args.partial_dtype,
-                                       args.expert_padding)
-    except Exception as e:
-      traceback.print_exc()
-      for op in ops:
-        records.append({"label": f"{backend} {op} {ctx.dtype_name} {reduce}", "family": "jax_moe",
-                        "name": backend, "op": op, "status": "error",
+    for op in (op for op in args.ops if not (op == "dispatch" and i > 0)):
+      try:
+        comm = methods.make_communicator(ctx, backend, reduce, args.partial_dtype,
+                                         args.expert_padding)
+      except Exception as e:
+        traceback.print_exc()
+        records.append({"label": f"{backend} {op} {ctx.dtype_name} {reduce}",
+                        "family": "jax_moe", "name": backend, "op": op, "status": "error",
                         "reason": f"Communicator: {type(e).__name__}: {e}"})
-      continue
-    try:
-      for method in methods.jax_moe_methods(ctx, comm, ops):
+        continue
+      try:
+        (method,) = methods.jax_moe_methods(ctx, comm, (op,))
         records.append(run_method(method, mesh, device_inputs, args))
-    finally:
-      comm.close()
+      finally:
+        comm.close()
   return records
 
 
@@ -227,7 +231,7 @@ def run_phase(phase: str, tokens: int, mesh, backends: list[str], args) -> dict:
   return {
       "benchmark": "dispatch_combine",
       "phase": phase,
-      "environment": provenance(mesh),
+      "environment": provenance(mesh, args.git_commit),
       "config": {
           "tokens_per_rank": tokens, "ranks": R, "hidden": args.hidden,
           "experts": args.experts, "topk": args.topk, "block_size": args.block_size,

@@ -58,12 +58,15 @@ def _git(*args: str) -> str | None:
 
 
 @functools.cache
-def provenance(mesh: Mesh) -> dict:
-  """What a result file needs to be reproduced: code version, software, hardware."""
+def provenance(mesh: Mesh, git_commit: str | None = None) -> dict:
+  """What a result file needs to be reproduced: code version, software, hardware.
+
+  `git_commit` names the code where the checkout has no .git (a copied working tree).
+  """
   device = mesh.devices.flat[0]
   status = _git("status", "--porcelain", "--untracked-files=no")
   info = {
-      "git_commit": _git("rev-parse", "HEAD") or "unknown (not a git checkout)",
+      "git_commit": _git("rev-parse", "HEAD") or git_commit or "unknown (not a git checkout)",
       "git_dirty": None if status is None else bool(status),
       "jax_version": jax.__version__,
       "jaxlib_version": _jaxlib_version(),

@@ -104,8 +104,7 @@ def make_communicator(ctx: Context, backend: str, reduce: str, partial_dtype: st
 
 
 def jax_moe_methods(ctx: Context, comm: jm.Communicator, ops: tuple[str, ...]) -> list[Method]:
-  """`ops` of one communicator, in JAX_MOE_OPS order. Dispatch alone does not depend on the
-  combine mode; the caller asks for it once per dispatch dtype."""
+  """The methods `ops` on `comm`, in JAX_MOE_OPS order."""
   cfg = comm.cfg
   reduce = cfg.combine_reduce
   partial = "f32" if cfg.partial_dtype == np.dtype(jnp.float32) else "bf16"

@@ -20,7 +20,8 @@ def _fmt(value, spec: str) -> str:
 
 def table(results: list[dict]) -> str:
   """One line per method: status, median and p10-p90 in microseconds, MB per rank, GB/s."""
-  header = f"{'method':34} {'status':8} {'median us':>10} {'p10-p90 us':>17} {'MB/rank':>8} {'GB/s':>7}"
+  header = (f"{'method':34} {'status':8} {'median us':>10} {'p10-p90 us':>17} "
+            f"{'MB/rank':>8} {'GB/s':>7}")
   lines = [header, "-" * len(header)]
   for r in results:
     t = r.get("time") or {}
