@@ -77,6 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--dispatch-dtypes", type=_csv(methods.DTYPES), default=["fp8", "bf16"])
   p.add_argument("--reduce", type=_csv(("source", "expert")), default=["source", "expert"],
                  help="combine_reduce modes of the jax_moe backends")
+  p.add_argument("--fp8-input", choices=("quantized", "bf16"), default="quantized",
+                 help="fp8 dispatch input: (q, scales) quantized once on the host (as DeepEP's "
+                      "normal dispatch takes it; default), or bf16 quantized by each method "
+                      "on the device, inside the timed loop")
   p.add_argument("--partial-dtype", choices=tuple(methods.PARTIAL_DTYPES), default="f32")
   p.add_argument("--expert-padding", type=int, default=1)
   p.add_argument("--routing", choices=ROUTINGS, default="uniform")
@@ -211,8 +215,8 @@ def run_phase(phase: str, tokens: int, mesh, backends: list[str], args) -> dict:
   inputs = make_inputs(base, args.routing, args.seed)
   moved = traffic(base, inputs)
   sharding = NamedSharding(mesh, SHARDED)
-  device_inputs = tuple(jax.device_put(a, sharding)
-                        for a in (inputs.x, inputs.topk_ids, inputs.topk_weights))
+  x, ids, weights = (jax.device_put(a, sharding)
+                     for a in (inputs.x, inputs.topk_ids, inputs.topk_weights))
   print(f"[{phase}] {tokens} tokens/rank on {R} x {mesh.devices.flat[0].device_kind}: "
         f"{moved.remote_slots:.0f} remote slots/rank, {moved.remote_pairs:.0f} remote "
         f"(token, rank) pairs/rank", flush=True)
@@ -221,12 +225,16 @@ def run_phase(phase: str, tokens: int, mesh, backends: list[str], args) -> dict:
   for dtype in args.dispatch_dtypes:
     shape = dataclasses.replace(base, fp8=dtype == "fp8")
     ctx = methods.make_context(mesh, shape, inputs, moved)
+    tokens_in = x
+    if shape.fp8 and args.fp8_input == "quantized":
+      tokens_in = (jax.device_put(ctx.expected.rows, sharding),
+                   jax.device_put(ctx.expected.scales, sharding))
     for backend in backends:
-      results += jax_moe_records(ctx, mesh, device_inputs, backend, args)
-    results += peer_records(ctx, mesh, device_inputs, args)
+      results += jax_moe_records(ctx, mesh, (tokens_in, ids, weights), backend, args)
+    results += peer_records(ctx, mesh, (tokens_in, ids, weights), args)
   if ctx is None:  # no dispatch dtype asked for: the probes still need a context
     ctx = methods.make_context(mesh, base, inputs, moved)
-  results += probe_records(ctx, mesh, device_inputs, args)
+  results += probe_records(ctx, mesh, (x, ids, weights), args)
 
   return {
       "benchmark": "dispatch_combine",
@@ -235,7 +243,8 @@ def run_phase(phase: str, tokens: int, mesh, backends: list[str], args) -> dict:
       "config": {
           "tokens_per_rank": tokens, "ranks": R, "hidden": args.hidden,
           "experts": args.experts, "topk": args.topk, "block_size": args.block_size,
-          "dispatch_dtypes": args.dispatch_dtypes, "combine_dtype": "bf16",
+          "dispatch_dtypes": args.dispatch_dtypes, "fp8_input": args.fp8_input,
+          "combine_dtype": "bf16",
           "combine_reduce": args.reduce, "partial_dtype": args.partial_dtype,
           "expert_padding": args.expert_padding, "routing": args.routing, "seed": args.seed,
           "backends": backends, "ops": args.ops, "peers": args.peers,
@@ -247,7 +256,9 @@ def run_phase(phase: str, tokens: int, mesh, backends: list[str], args) -> dict:
       "timing": "per-iteration device time = (t(n_long) - t(n_short)) / (n_long - n_short), "
                 "host wall time around block_until_ready of one jit with a fori_loop; "
                 "fused and split include the identity expert (an fp8->bf16 pass over the "
-                "received rows), dispatch and combine alone do not",
+                "received rows), dispatch and combine alone do not; fp8 quantization is "
+                + ("outside the loop (pre-quantized input)" if args.fp8_input == "quantized"
+                   else "inside the loop (bf16 input)"),
       "results": results,
   }
 

@@ -1,7 +1,8 @@
 """The same MoE exchange written with plain JAX collectives, as baselines for jax_moe.
 
 Each builder returns a per-shard function `exchange(x, topk_ids, topk_weights) -> out` for use
-inside shard_map over `axis`: x [T, H] bf16, topk_ids [T, K] int32, topk_weights [T, K] f32,
+inside shard_map over `axis`: x [T, H] bf16 or, for fp8 dispatch, a pre-quantized (q, scales)
+pair as jax_moe's dispatch accepts it; topk_ids [T, K] int32, topk_weights [T, K] f32;
 out [T, H] bf16 = sum over valid k of w[t, k] * expert(x[t]), where the expert is the identity
 (the dispatched row dequantized and cast to bf16), so only the exchange costs time. With fp8
 dispatch the rows travel as e4m3 codes (bit-cast to uint8 for the collectives) plus f32 scales,
@@ -17,11 +18,11 @@ import jax_moe as jm
 from benchmarks.problem import Shape
 
 
-def _wire_rows(shape: Shape, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+def _wire_rows(shape: Shape, x) -> tuple[jax.Array, jax.Array | None]:
   """Token rows as they travel: (uint8 fp8 codes, f32 scales), or (bf16 rows, None)."""
   if not shape.fp8:
     return x, None
-  q, scales = jm.quantize_fp8(x, shape.block_size)
+  q, scales = x if isinstance(x, tuple) else jm.quantize_fp8(x, shape.block_size)
   return jax.lax.bitcast_convert_type(q, jnp.uint8), scales
 
 

@@ -21,28 +21,38 @@ import numpy as np
 from benchmarks.environment import REPLICATED, SHARDED, shard_map
 
 
-def consume_output(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
-                   out: jax.Array):
+def consume_output(x, topk_ids: jax.Array, topk_weights: jax.Array, out: jax.Array):
   """(x, ids, w) for the next iteration, equal in value but data-dependent on all of `out`.
 
   `x + 0 * out` reads every element, like the residual add that consumes an MoE layer's
   output in a model; consuming less would let XLA compute only the elements read (a fusion
   rooted at a slice evaluates just that slice), flattering the pure-JAX methods. XLA does
-  not fold a float multiply by zero (NaN semantics). The routing gets a [T, K] pass so its
-  processing stays inside the loop, as it would in a model.
+  not fold a float multiply by zero (NaN semantics). A pre-quantized x = (q, scales) takes
+  the zeros into q's bits, so nothing computed from q alone is loop-invariant. The routing
+  gets a [T, K] pass so its processing stays inside the loop, as it would in a model.
   """
-  zero = jnp.float32(0) * out[0, 0].astype(jnp.float32)
-  return (x + out.astype(x.dtype) * jnp.zeros((), x.dtype), topk_ids + zero.astype(jnp.int32),
-          topk_weights + zero)
+  zeros = out * jnp.zeros((), out.dtype)
+  zero = zeros[0, 0].astype(jnp.float32)
+  if isinstance(x, tuple):
+    q, scales = x
+    bits = jax.lax.bitcast_convert_type(q, jnp.uint8) + zeros.astype(jnp.uint8)
+    x = (jax.lax.bitcast_convert_type(bits, q.dtype), scales + zero)
+  else:
+    x = x + zeros.astype(x.dtype)
+  return x, topk_ids + zero.astype(jnp.int32), topk_weights + zero
 
 
-def consume_probe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
-                  probe: jax.Array):
+def consume_probe(x, topk_ids: jax.Array, topk_weights: jax.Array, probe: jax.Array):
   """Like consume_output for results too large to read every iteration (dispatched rows):
-  the next inputs depend on the scalar `probe` through a one-element write to x."""
+  the next inputs depend on the scalar `probe` through a one-element write to x (to the
+  scales of a pre-quantized x)."""
   zero = jnp.float32(0) * probe.astype(jnp.float32)
-  return (x.at[0, 0].add(zero.astype(x.dtype)), topk_ids + zero.astype(jnp.int32),
-          topk_weights + zero)
+  if isinstance(x, tuple):
+    q, scales = x
+    x = (q, scales.at[0, 0].add(zero))
+  else:
+    x = x.at[0, 0].add(zero.astype(x.dtype))
+  return x, topk_ids + zero.astype(jnp.int32), topk_weights + zero
 
 
 def probe_all(tree) -> jax.Array:

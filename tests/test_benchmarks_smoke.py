@@ -97,19 +97,23 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     return result
 
 
-@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("tokens_in", ["fp8 quantized", "fp8 from bf16", "bf16"])
 @pytest.mark.parametrize("peer", sorted(peers.PEERS))
-def test_peer_exchange_matches_dense_reference(peer, fp8, monkeypatch):
+def test_peer_exchange_matches_dense_reference(peer, tokens_in, monkeypatch):
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-    shape = Shape(ranks=4, tokens=16, hidden=256, experts=16, topk=4, fp8=fp8, block_size=128)
+    shape = Shape(ranks=4, tokens=16, hidden=256, experts=16, topk=4,
+                  fp8=tokens_in.startswith("fp8"), block_size=128)
     inputs = _inputs_with_unrouted_slots(shape)
     mesh = _host_mesh(shape.ranks)
     ctx = methods.make_context(mesh, shape, inputs, traffic(shape, inputs))
     method = methods.peer_method(ctx, peer)
     spec = PartitionSpec("ep")
-    run = jax.jit(shard_map(method.final, mesh, in_specs=((spec, spec, spec),), out_specs=spec))
-    args = tuple(jax.device_put(a, NamedSharding(mesh, spec))
-                 for a in (inputs.x, inputs.topk_ids, inputs.topk_weights))
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))
+    x = put(inputs.x)
+    if tokens_in == "fp8 quantized":
+        x = (put(ctx.expected.rows), put(ctx.expected.scales))
+    args = (x, put(inputs.topk_ids), put(inputs.topk_weights))
+    run = jax.jit(shard_map(method.final, mesh, in_specs=(spec,), out_specs=spec))
     verdict = method.check(jax.device_get(run(args)), 0)
     assert verdict["passed"], verdict
     assert np.all(np.asarray(run(args))[5] == 0)  # the unrouted token
@@ -124,7 +128,7 @@ def test_checks_reject_a_wrong_dispatch_and_a_wrong_combine():
     comm = methods.make_communicator(ctx, "xla", "source", "f32", expert_padding=1)
     method = methods.jax_moe_methods(ctx, comm, ("dispatch",))[0]
     spec = PartitionSpec("ep")
-    run = jax.jit(shard_map(method.final, mesh, in_specs=((spec, spec, spec),), out_specs=spec))
+    run = jax.jit(shard_map(method.final, mesh, in_specs=(spec,), out_specs=spec))
     args = tuple(jax.device_put(a, NamedSharding(mesh, spec))
                  for a in (inputs.x, inputs.topk_ids, inputs.topk_weights))
     got = {k: (None if v is None else np.array(v)) for k, v in jax.device_get(run(args)).items()}
