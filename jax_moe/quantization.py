@@ -17,6 +17,21 @@ AMAX_FLOOR = 1e-4
 INV_FP8_MAX = np.float32(1.0 / 448.0)
 
 
+def _round_to_e4m3(v: jax.Array) -> jax.Array:
+  """Rounds f32 `v` (|v| <= 448) to the nearest e4m3fn value, ties to even, staying in f32.
+
+  Done with exact f32 arithmetic because XLA's own f32 -> f8 conversion is not the same on
+  every platform (on GPU it can round through f16 first, and double rounding moves ties);
+  the cast that follows is then exact everywhere. The e4m3 quantum at |v| in [2^e, 2^(e+1))
+  is 2^(e-3), with e clamped to the subnormal floor -6; scaling by a power of two is exact.
+  """
+  bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+  exponent = jnp.maximum(((bits >> 23) & 0xFF) - 127, -6)
+  to_units = jax.lax.bitcast_convert_type((127 + 3 - exponent) << 23, jnp.float32)
+  to_value = jax.lax.bitcast_convert_type((127 - 3 + exponent) << 23, jnp.float32)
+  return jax.lax.round(v * to_units, jax.lax.RoundingMethod.TO_NEAREST_EVEN) * to_value
+
+
 def _blocks(x: jax.Array, block_size: int) -> jax.Array:
   if x.shape[-1] % block_size:
     raise ValueError(f"quantize_fp8: x.shape[-1] ({x.shape[-1]}) must be a multiple of "
@@ -32,7 +47,7 @@ def quantize_fp8(x: jax.Array, block_size: int = 128) -> tuple[jax.Array, jax.Ar
   amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), np.float32(AMAX_FLOOR))
   scales = amax * INV_FP8_MAX
   scaled = xb * (np.float32(FP8_MAX) / amax)[..., None]
-  q = jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+  q = _round_to_e4m3(jnp.clip(scaled, -FP8_MAX, FP8_MAX)).astype(jnp.float8_e4m3fn)
   return q.reshape(x.shape), scales
 
 
