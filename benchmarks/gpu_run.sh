@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Builds jax_moe with the CUDA kernels on a GPU machine, runs the GPU tests and prints a
 # one-line summary per suite. Logs go to $OUT (the device tool's output folder) or ./gpu_logs.
-#   benchmarks/gpu_run.sh smoke    build, topology, tests/gpu
-#   benchmarks/gpu_run.sh full     smoke + the shared parity, error and quantization tests
-#   benchmarks/gpu_run.sh cmdbuf   smoke + tests/gpu with XLA command buffers off and forced on
+#   benchmarks/gpu_run.sh [STEP...]   (default: tests parity)
+# Build and topology always run; then each STEP in order:
+#   tests    tests/gpu (XLA defaults)
+#   parity   the shared parity, runtime-error and quantization tests (tests/*.py) on the GPUs
+#   cmdbuf   tests/gpu with XLA command buffers off, then forced on for custom calls
+#   bench    bench_dispatch_combine.py for the cuda backend at decode and prefill sizes
 set -u -o pipefail
-mode=${1:-full}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests parity)
 logs=${OUT:-$PWD/gpu_logs}
 mkdir -p "$logs"
 export PYTHONUNBUFFERED=1 JAX_MOE_TIMEOUT_S=${JAX_MOE_TIMEOUT_S:-10}
@@ -35,14 +39,25 @@ suite() {
   [ $rc -ne 0 ] && grep -E '^(E |FAILED|ERROR)' "$logs/$name.log" | head -15
 }
 
-suite gpu_default 150 tests/gpu
-if [ "$mode" = full ]; then
-  suite parity_cuda 240 tests/test_parity.py tests/test_runtime_errors.py -k cuda
-  suite quantization_gpu 60 tests/test_quantization.py
-fi
-if [ "$mode" = cmdbuf ]; then
-  XLA_FLAGS=--xla_gpu_enable_command_buffer= suite gpu_cmdbuf_off 120 tests/gpu
-  XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
-    suite gpu_cmdbuf_forced 120 tests/gpu
-fi
+for step in "${steps[@]}"; do
+  case $step in
+    tests) suite gpu_default 150 tests/gpu ;;
+    parity)
+      suite parity_cuda 240 tests/test_parity.py tests/test_runtime_errors.py -k cuda
+      suite quantization_gpu 60 tests/test_quantization.py ;;
+    cmdbuf)
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= suite gpu_cmdbuf_off 120 tests/gpu
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
+        suite gpu_cmdbuf_forced 120 tests/gpu ;;
+    bench)
+      # Only the JSON tables come back (the device tool returns at most 8 files).
+      timeout -s KILL 180 python3 benchmarks/bench_dispatch_combine.py --backends cuda \
+        --peers none --ops fused,split --reduce source,expert --reps 3 \
+        --out /tmp/jax_moe_bench > "$logs/bench.log" 2>&1
+      echo "bench: rc=$?"
+      cp /tmp/jax_moe_bench/*.json "$logs/" 2>/dev/null
+      tail -30 "$logs/bench.log" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
 echo "total: $(( $(date +%s) - started )) s"
