@@ -2,12 +2,16 @@
 // mode one weighted partial per (source, token), into the source's combine region;
 // combine_recv (source rank) waits for every rank and sums in the reference order.
 // Buffer layout: cuda/layout.cuh.
+#include <algorithm>
+
 #include "cuda/api.cuh"
 #include "cuda/rows.cuh"
 #include "cuda/sync.cuh"
 
 namespace jax_moe {
 namespace {
+
+constexpr int kBatch = 8;  // rows loaded before they are summed (memory-level parallelism)
 
 // Source mode: one warp per slot (s, t, k) held here; y[row] goes to comb[t][k] on source s
 // (zeros for a slot dropped by capacity overflow, so it adds nothing there).
@@ -32,9 +36,13 @@ combine_send_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
       if (row == -1) continue;
       const int s = task / (T * K), slot = task % (T * K);
       uint4* dst = reinterpret_cast<uint4*>(v.peers[s] + lay.combine) + size_t(slot) * chunks;
-      const bool held = row >= 0 && row < C;
-      for (int c = lane; c < chunks; c += 32)
-        dst[c] = held ? y[size_t(row) * chunks + c] : make_uint4(0, 0, 0, 0);
+      if (row >= 0 && row < C) {
+        const uint4* src = y + size_t(row) * chunks;
+        warp_copy(0, chunks, [&](int c) { return src[c]; },
+                  [&](int c, uint4 value) { dst[c] = value; });
+      } else {
+        for (int c = lane; c < chunks; c += 32) dst[c] = make_uint4(0, 0, 0, 0);
+      }
     }
   } else {
     __shared__ int32_t warp_rows[kWarps][32];
@@ -52,12 +60,21 @@ combine_send_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
       char* dst = v.peers[s] + lay.combine + (size_t(me) * T + t) * d.hidden * pbytes;
       for (int c = lane; c < chunks; c += 32) {
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int k = 0; k < K; ++k) {
-          const int r = warp_rows[warp][k];
-          if (r < 0) continue;
-          float f[8];
-          bf16x8_to_f32(y[size_t(r) * chunks + c], f);
-          accumulate_scaled(acc, warp_weights[warp][k], f);
+        // kBatch loads in flight, then the sums in k order.
+        for (int k0 = 0; k0 < K; k0 += kBatch) {
+          uint4 rows[kBatch];
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            const int r = k0 + u < K ? warp_rows[warp][k0 + u] : -1;
+            if (r >= 0) rows[u] = y[size_t(r) * chunks + c];
+          }
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            if (k0 + u >= K || warp_rows[warp][k0 + u] < 0) continue;
+            float f[8];
+            bf16x8_to_f32(rows[u], f);
+            accumulate_scaled(acc, warp_weights[warp][k0 + u], f);
+          }
         }
         if (d.partial_bf16) {
           reinterpret_cast<uint4*>(dst)[c] = f32_to_bf16x8(acc);
@@ -78,13 +95,13 @@ combine_send_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
   }
 }
 
-// One warp per token t: waits for every rank, then out[t] = bf16(sum in f32) over its valid
-// slots in k order (source mode) or over the ranks holding one of its slots in rank order
-// (expert mode). Tokens with no valid slot (and t >= num_tokens) come out zero. The last
-// block acknowledges every rank: this rank's combine region may be overwritten.
+// One warp per (token t, part of hidden): waits for every rank, then out[t] = bf16(sum in
+// f32) over its valid slots in k order (source mode) or over the ranks holding one of its
+// slots in rank order (expert mode). Tokens with no valid slot (and t >= num_tokens) come out
+// zero. The last block acknowledges every rank: this rank's combine region may be overwritten.
 __global__ void __launch_bounds__(kThreads)
 combine_recv_kernel(CommView v, const int32_t* send_dest, const float* topk_weights,
-                    uint4* out) {
+                    uint4* out, int parts) {
   const MoeDims& d = v.dims;
   const BufferLayout lay = buffer_layout(d);
   const int R = d.world, T = d.max_tokens, K = d.topk, me = d.rank;
@@ -97,7 +114,8 @@ combine_recv_kernel(CommView v, const int32_t* send_dest, const float* topk_weig
   const int lane = lane_id();
   const int warp = threadIdx.x / 32;
   const uint4* comb = reinterpret_cast<const uint4*>(v.local + lay.combine);
-  for (int t = global_warp(); t < T; t += global_warps()) {
+  for (int task = global_warp(); task < T * parts; task += global_warps()) {
+    const int t = task / parts, part = task % parts;
     int dest = lane < K ? send_dest[t * K + lane] : -1;
     if (dest < 0 || dest >= R) dest = -1;
     warp_dest[warp][lane] = dest;
@@ -106,14 +124,23 @@ combine_recv_kernel(CommView v, const int32_t* send_dest, const float* topk_weig
     uint64_t ranks = 0;
     for (int k = 0; k < K; ++k)
       if (warp_dest[warp][k] >= 0) ranks |= 1ull << warp_dest[warp][k];
-    for (int c = lane; c < chunks; c += 32) {
+    const int end = part_begin(chunks, part + 1, parts);
+    for (int c = part_begin(chunks, part, parts) + lane; c < end; c += 32) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       float f[8];
       if (!d.reduce_expert) {
-        for (int k = 0; k < K; ++k) {
-          if (warp_dest[warp][k] < 0) continue;
-          bf16x8_to_f32(__ldcg(comb + (size_t(t) * K + k) * chunks + c), f);
-          accumulate_scaled(acc, warp_weights[warp][k], f);
+        for (int k0 = 0; k0 < K; k0 += kBatch) {
+          uint4 rows[kBatch];
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u)
+            if (k0 + u < K && warp_dest[warp][k0 + u] >= 0)
+              rows[u] = __ldcg(comb + (size_t(t) * K + k0 + u) * chunks + c);
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            if (k0 + u >= K || warp_dest[warp][k0 + u] < 0) continue;
+            bf16x8_to_f32(rows[u], f);
+            accumulate_scaled(acc, warp_weights[warp][k0 + u], f);
+          }
         }
       } else {
         for (int p = 0; p < R; ++p) {
@@ -154,8 +181,11 @@ cudaError_t launch_combine_send(const CommView& view, const void* y, const int32
 
 cudaError_t launch_combine_recv(const CommView& view, const int32_t* send_dest,
                                 const float* topk_weights, void* out, cudaStream_t stream) {
-  combine_recv_kernel<<<grid_for(view.dims.max_tokens, view.max_blocks), kThreads, 0, stream>>>(
-      view, send_dest, topk_weights, static_cast<uint4*>(out));
+  const MoeDims& d = view.dims;
+  const int parts = parts_per_item(d.max_tokens, std::max(1, std::min(8, d.hidden / 8 / 32)),
+                                   view.max_blocks);
+  combine_recv_kernel<<<grid_for(d.max_tokens * parts, view.max_blocks), kThreads, 0, stream>>>(
+      view, send_dest, topk_weights, static_cast<uint4*>(out), parts);
   return cudaGetLastError();
 }
 

@@ -14,23 +14,23 @@ __device__ inline void for_each_rank(uint64_t mask, Store store) {
   for (; mask; mask &= mask - 1) store(__ffsll(static_cast<long long>(mask)) - 1);
 }
 
-// Quantizes bf16 token row `row` [H] (docs/semantics.md: per block amax = max(max|x|, 1e-4),
-// scale = amax * f32(1/448), q = e4m3fn(clip(x * (448 / amax)))) and stores codes then scales
-// into slot t of this source's region on every rank of dest_mask. One warp; each scale block
-// is covered by `lanes_per_block` lanes that reduce its amax with shuffles.
+// Quantizes scale blocks [block_begin, block_end) of bf16 token row `row` [H]
+// (docs/semantics.md: per block amax = max(max|x|, 1e-4), scale = amax * f32(1/448),
+// q = e4m3fn(clip(x * (448 / amax)))) and stores codes and scales into slot t of this
+// source's region on every rank of dest_mask. One warp; each scale block is covered by
+// `lanes_per_block` lanes that reduce its amax with shuffles.
 __device__ void send_quantized(const CommView& v, const BufferLayout& lay, const uint4* row,
-                               int t, uint64_t dest_mask) {
+                               int t, uint64_t dest_mask, int block_begin, int block_end) {
   const MoeDims& d = v.dims;
   const int lane = lane_id();
-  const int blocks = d.hidden / d.block_size;
   const int chunks_per_block = d.block_size / 8;  // 8 bf16 per 16-byte chunk
   const int lanes_per_block = chunks_per_block < 32 ? chunks_per_block : 32;
   const int chunks_per_lane = chunks_per_block / lanes_per_block;
   const int blocks_per_step = 32 / lanes_per_block;
   const int sub = lane % lanes_per_block;
-  for (int b0 = 0; b0 < blocks; b0 += blocks_per_step) {
+  for (int b0 = block_begin; b0 < block_end; b0 += blocks_per_step) {
     const int b = b0 + lane / lanes_per_block;
-    const bool active = b < blocks;
+    const bool active = b < block_end;
     float amax = 0.f;
     if (active) {
       for (int c = 0; c < chunks_per_lane; ++c) {
@@ -70,33 +70,34 @@ __device__ void send_quantized(const CommView& v, const BufferLayout& lay, const
   }
 }
 
-// Copies `chunks` 16-byte vectors (then `scales` floats placed right after them) into slot t
-// of this source's region on every rank of dest_mask. One warp.
+// Copies 16-byte vectors [chunk_begin, chunk_end) of `row`, and floats [scale_begin,
+// scale_end) of `scales` (stored from byte scales_at of the slot on), into slot t of this
+// source's region on every rank of dest_mask. One warp.
 __device__ void send_as_is(const CommView& v, const BufferLayout& lay, const uint4* row,
-                           int chunks, const float* scales, int nscales, int t,
-                           uint64_t dest_mask) {
+                           int chunk_begin, int chunk_end, const float* scales, int scale_begin,
+                           int scale_end, size_t scales_at, int t, uint64_t dest_mask) {
   const MoeDims& d = v.dims;
-  for (int c = lane_id(); c < chunks; c += 32) {
-    const uint4 value = row[c];
+  warp_copy(chunk_begin, chunk_end, [&](int c) { return row[c]; }, [&](int c, uint4 value) {
     for_each_rank(dest_mask, [&](int p) {
       reinterpret_cast<uint4*>(token_slot(v.peers[p], lay, d, d.rank, t))[c] = value;
     });
-  }
-  for (int b = lane_id(); b < nscales; b += 32) {
+  });
+  for (int b = scale_begin + lane_id(); b < scale_end; b += 32) {
     const float value = scales[b];
     for_each_rank(dest_mask, [&](int p) {
       char* slot = token_slot(v.peers[p], lay, d, d.rank, t);
-      reinterpret_cast<float*>(slot + size_t(chunks) * 16)[b] = value;
+      reinterpret_cast<float*>(slot + scales_at)[b] = value;
     });
   }
 }
 
-// One warp per token t: validate its slots, send its route to every rank and its row once to
-// each rank that holds one of its slots. The last block publishes the sequence to every rank.
+// One warp per (token t, part of its row): validate its slots, send its route to every rank
+// (part 0) and its part of the row once to each rank that holds one of its slots. Parts cut
+// the row at scale-block boundaries. The last block publishes the sequence to every rank.
 __global__ void __launch_bounds__(kThreads)
 dispatch_send_kernel(CommView v, TokenInput input, const void* x, const float* x_scales,
                      const int32_t* topk_ids, const float* topk_weights,
-                     const int32_t* num_tokens, int32_t* send_dest) {
+                     const int32_t* num_tokens, int32_t* send_dest, int parts) {
   const MoeDims& d = v.dims;
   const BufferLayout lay = buffer_layout(d);
   const int T = d.max_tokens, K = d.topk, H = d.hidden, me = d.rank;
@@ -113,19 +114,21 @@ dispatch_send_kernel(CommView v, TokenInput input, const void* x, const float* x
   }
 
   const int lane = lane_id();
-  for (int t = global_warp(); t < T; t += global_warps()) {
+  const int nb = H / d.block_size;
+  for (int task = global_warp(); task < T * parts; task += global_warps()) {
+    const int t = task / parts, part = task % parts;
     int id = -1;
     float w = 0.f;
     if (lane < K && t < ntok) {
       id = topk_ids[t * K + lane];
       if (id < -1 || id >= d.num_experts) {
-        record_error(v, kInvalidExpertId, kStageDispatchSend, id);
+        if (part == 0) record_error(v, kInvalidExpertId, kStageDispatchSend, id);
         id = -1;
       }
       w = topk_weights[t * K + lane];
     }
     const int dest = id >= 0 ? id / d.local_experts : -1;
-    if (lane < K) send_dest[t * K + lane] = dest;
+    if (part == 0 && lane < K) send_dest[t * K + lane] = dest;
     if (t >= ntok) continue;
 
     uint64_t dest_mask = 0;
@@ -134,7 +137,7 @@ dispatch_send_kernel(CommView v, TokenInput input, const void* x, const float* x
       if (dk >= 0) dest_mask |= 1ull << dk;
     }
     // Every rank gets the route: each counts the slots of its own experts.
-    if (lane < K) {
+    if (part == 0 && lane < K) {
       const size_t slot = (size_t(me) * T + t) * K + lane;
       for (int p = 0; p < d.world; ++p) {
         reinterpret_cast<int32_t*>(v.peers[p] + lay.recv_ids)[slot] = id;
@@ -142,14 +145,20 @@ dispatch_send_kernel(CommView v, TokenInput input, const void* x, const float* x
       }
     }
     if (input == kInputBf16Quantize) {
-      send_quantized(v, lay, static_cast<const uint4*>(x) + size_t(t) * (H / 8), t, dest_mask);
+      send_quantized(v, lay, static_cast<const uint4*>(x) + size_t(t) * (H / 8), t, dest_mask,
+                     part_begin(nb, part, parts), part_begin(nb, part + 1, parts));
     } else if (input == kInputFp8) {
-      const int nb = H / d.block_size;
-      send_as_is(v, lay, static_cast<const uint4*>(x) + size_t(t) * (H / 16), H / 16,
-                 x_scales + size_t(t) * nb, nb, t, dest_mask);
+      // A part covers whole scale blocks, codes and scales (parts > 1 only when a block is a
+      // whole number of 16-byte vectors).
+      const int b_begin = part_begin(nb, part, parts), b_end = part_begin(nb, part + 1, parts);
+      const int per_block = d.block_size / 16;
+      send_as_is(v, lay, static_cast<const uint4*>(x) + size_t(t) * (H / 16),
+                 parts == 1 ? 0 : b_begin * per_block, parts == 1 ? H / 16 : b_end * per_block,
+                 x_scales + size_t(t) * nb, b_begin, b_end, H, t, dest_mask);
     } else {
-      send_as_is(v, lay, static_cast<const uint4*>(x) + size_t(t) * (H / 8), H / 8, nullptr, 0,
-                 t, dest_mask);
+      send_as_is(v, lay, static_cast<const uint4*>(x) + size_t(t) * (H / 8),
+                 part_begin(H / 8, part, parts), part_begin(H / 8, part + 1, parts), nullptr, 0,
+                 0, 0, t, dest_mask);
     }
   }
 
@@ -183,12 +192,21 @@ __global__ void __launch_bounds__(kThreads) dispatch_count_kernel(CommView v) {
     const int n = received_tokens(v, lay, s) * K;
     const size_t base = size_t(s) * T * K;
     int running = 0;
-    for (int j0 = 0; j0 < n; j0 += 32) {
-      const int j = j0 + lane;
-      const bool hit = j < n && __ldcg(ids + base + j) == expert;
-      const unsigned hits = __ballot_sync(kFullMask, hit);
-      if (hit) v.slot_rank[base + j] = running + __popc(hits & ((1u << lane) - 1));
-      running += __popc(hits);
+    for (int j0 = 0; j0 < n; j0 += 32 * kUnroll) {
+      int slot_ids[kUnroll];  // kUnroll loads in flight, then the ballots in slot order
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = j0 + 32 * u + lane;
+        slot_ids[u] = j < n ? __ldcg(ids + base + j) : -1;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = j0 + 32 * u + lane;
+        const bool hit = j < n && slot_ids[u] == expert;
+        const unsigned hits = __ballot_sync(kFullMask, hit);
+        if (hit) v.slot_rank[base + j] = running + __popc(hits & ((1u << lane) - 1));
+        running += __popc(hits);
+      }
     }
     if (lane == 0) v.expert_counts[pair] = running;
   }
@@ -283,11 +301,12 @@ dispatch_place_kernel(CommView v, void* x_out, float* scales_out, float* weights
       warp_rows[warp][lane] = row;
       __syncwarp();
       const char* src = token_slot(v.local, lay, d, s, t);
-      for (int c = lane; c < row_chunks; c += 32) {
-        const uint4 value = __ldcg(reinterpret_cast<const uint4*>(src) + c);
-        for (unsigned m = placed; m; m &= m - 1)
-          x_rows[size_t(warp_rows[warp][__ffs(m) - 1]) * row_chunks + c] = value;
-      }
+      warp_copy(0, row_chunks,
+                [&](int c) { return __ldcg(reinterpret_cast<const uint4*>(src) + c); },
+                [&](int c, uint4 value) {
+                  for (unsigned m = placed; m; m &= m - 1)
+                    x_rows[size_t(warp_rows[warp][__ffs(m) - 1]) * row_chunks + c] = value;
+                });
       const float* src_scales = reinterpret_cast<const float*>(src + size_t(row_chunks) * 16);
       for (int b = lane; b < nb; b += 32) {
         const float value = __ldcg(src_scales + b);
@@ -326,9 +345,14 @@ cudaError_t launch_dispatch_send(const CommView& view, TokenInput input, const v
                                  const float* x_scales, const int32_t* topk_ids,
                                  const float* topk_weights, const int32_t* num_tokens,
                                  int32_t* send_dest, cudaStream_t stream) {
-  const int blocks = grid_for(view.dims.max_tokens, view.max_blocks);
-  dispatch_send_kernel<<<blocks, kThreads, 0, stream>>>(view, input, x, x_scales, topk_ids,
-                                                        topk_weights, num_tokens, send_dest);
+  const MoeDims& d = view.dims;
+  // bf16 rows split anywhere; fp8 rows only between scale blocks.
+  const int max_parts = input == kInputBf16 ? 8
+                        : input == kInputFp8 && d.block_size % 16 ? 1
+                        : min(8, d.hidden / d.block_size);
+  const int parts = parts_per_item(d.max_tokens, max_parts, view.max_blocks);
+  dispatch_send_kernel<<<grid_for(d.max_tokens * parts, view.max_blocks), kThreads, 0, stream>>>(
+      view, input, x, x_scales, topk_ids, topk_weights, num_tokens, send_dest, parts);
   return cudaGetLastError();
 }
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda/layout.cuh"
+#include "cuda/sync.cuh"
 
 namespace jax_moe {
 
@@ -45,6 +46,23 @@ constexpr float kInv448 = 1.0f / 448.0f;  // the f32 nearest 1/448
 __device__ inline uint32_t quantize_e4m3(float x, float multiplier) {
   const float v = fminf(fmaxf(__fmul_rn(x, multiplier), -448.f), 448.f);
   return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+
+// One warp moves 16-byte vectors [begin, end): store(c, load(c)) for each c, with kUnroll
+// loads in flight per lane before their stores (a copy loop with one load in flight is bound
+// by memory latency, not bandwidth).
+constexpr int kUnroll = 4;
+template <typename Load, typename Store>
+__device__ inline void warp_copy(int begin, int end, Load load, Store store) {
+  for (int c0 = begin + lane_id(); c0 < end; c0 += 32 * kUnroll) {
+    uint4 values[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (c0 + 32 * u < end) values[u] = load(c0 + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (c0 + 32 * u < end) store(c0 + 32 * u, values[u]);
+  }
 }
 
 // Start of token t of source `source` in the dispatch region of `buffer`.

@@ -96,6 +96,18 @@ __device__ inline int lane_id() { return threadIdx.x & 31; }
 __device__ inline int global_warp() { return blockIdx.x * kWarps + threadIdx.x / 32; }
 __device__ inline int global_warps() { return gridDim.x * kWarps; }
 
+// Parts per item (e.g. a token row split along hidden) so that `items` tasks give every warp
+// of a max_blocks grid about one task: small calls spread over more SMs, large ones do not split.
+inline int parts_per_item(int items, int max_parts, int max_blocks) {
+  const int parts = max_blocks * kWarps / (items > 0 ? items : 1);
+  return parts < 1 ? 1 : (parts > max_parts ? max_parts : parts);
+}
+
+// First index of part `part` when [0, n) is cut into `parts` contiguous parts.
+__device__ inline int part_begin(int n, int part, int parts) {
+  return static_cast<int>(static_cast<long long>(n) * part / parts);
+}
+
 inline int grid_for(int warp_tasks, int max_blocks) {
   int blocks = (warp_tasks + kWarps - 1) / kWarps;
   if (blocks > max_blocks) blocks = max_blocks;
