@@ -5,6 +5,7 @@
 # Build and topology always run; then each STEP in order:
 #   tests    tests/gpu (XLA defaults)
 #   parity   the shared parity, runtime-error and quantization tests (tests/*.py) on the GPUs
+#   quant    tests/test_quantization.py on the GPU (quantize_fp8 must match the spec there)
 #   cmdbuf   tests/gpu with XLA command buffers off, then forced on for custom calls
 #   bench    bench_dispatch_combine.py for the cuda backend at decode and prefill sizes
 set -u -o pipefail
@@ -45,6 +46,7 @@ for step in "${steps[@]}"; do
     parity)
       suite parity_cuda 240 tests/test_parity.py tests/test_runtime_errors.py -k cuda
       suite quantization_gpu 60 tests/test_quantization.py ;;
+    quant) suite quantization_gpu 60 tests/test_quantization.py ;;
     cmdbuf)
       XLA_FLAGS=--xla_gpu_enable_command_buffer= suite gpu_cmdbuf_off 120 tests/gpu
       XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
