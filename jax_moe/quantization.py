@@ -17,6 +17,36 @@ AMAX_FLOOR = 1e-4
 INV_FP8_MAX = np.float32(1.0 / 448.0)
 
 
+def _fp8_max_over(amax: jax.Array) -> jax.Array:
+  """448 / amax rounded to nearest even, for normal positive f32 `amax`, bit-exact everywhere.
+
+  XLA's f32 division is not correctly rounded on every platform (on GPU one ulp off at
+  times, which moves fp8 codes at ties), so the quotient's 24 significand bits come from a
+  restoring long division of the significands in uint32, then one round-to-nearest-even.
+  448 = 0xE00000 * 2^-15 and amax = m * 2^(e - 150) with m = 1.f in 24 bits.
+  """
+  bits = jax.lax.bitcast_convert_type(amax, jnp.uint32)
+  m = (bits & 0x7FFFFF) | 0x800000
+  # 448 = 1.75 * 2^8 and amax = 1.f * 2^(e_biased - 127): the quotient's biased exponent is
+  # 8 - (e_biased - 127) + 127 before the significand ratio is normalised.
+  exponent = 262 - ((bits >> 23) & 0xFF).astype(jnp.int32)
+  numerator = jnp.uint32(0xE00000)
+  below = numerator < m  # significand ratio in (0.5, 1): shift one place
+  remainder = jnp.where(below, numerator << 1, numerator)
+  exponent = exponent - below.astype(jnp.int32)
+  quotient = jnp.zeros_like(m)
+  for _ in range(24):
+    bit = remainder >= m
+    quotient = (quotient << 1) | bit.astype(jnp.uint32)
+    remainder = (remainder - jnp.where(bit, m, 0)) << 1  # remainder < 2m < 2^25
+  round_up = (remainder > m) | ((remainder == m) & ((quotient & 1) == 1))
+  quotient = quotient + round_up.astype(jnp.uint32)
+  carry = quotient >> 24  # rounding overflowed into a 25th bit: 2.0 * 2^e
+  exponent = exponent + carry.astype(jnp.int32)
+  out = (exponent.astype(jnp.uint32) << 23) | (quotient >> carry) & 0x7FFFFF
+  return jax.lax.bitcast_convert_type(out, jnp.float32)
+
+
 def _round_to_e4m3(v: jax.Array) -> jax.Array:
   """Rounds f32 `v` (|v| <= 448) to the nearest e4m3fn value, ties to even, staying in f32.
 
@@ -46,7 +76,7 @@ def quantize_fp8(x: jax.Array, block_size: int = 128) -> tuple[jax.Array, jax.Ar
   xb = _blocks(x.astype(jnp.float32), block_size)
   amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), np.float32(AMAX_FLOOR))
   scales = amax * INV_FP8_MAX
-  scaled = xb * (np.float32(FP8_MAX) / amax)[..., None]
+  scaled = xb * _fp8_max_over(amax)[..., None]
   q = _round_to_e4m3(jnp.clip(scaled, -FP8_MAX, FP8_MAX)).astype(jnp.float8_e4m3fn)
   return q.reshape(x.shape), scales
 
