@@ -1,0 +1,113 @@
+"""Per-kernel device time of one MoE exchange, from a JAX profiler trace (CUPTI).
+
+Runs `--iters` fused dispatch -> identity expert -> combine steps of a jax_moe backend inside
+one jit, traces them with jax.profiler, and prints, per GPU, every kernel's count and mean
+device time plus the busy span per step. The time of each stage is what the latency targets
+are about, so this is the tool to find where a step's time goes (nsys does not run on the
+lent machines; CUPTI through JAX does).
+
+  python benchmarks/profile_kernels.py --tokens 128 --dispatch-dtype fp8 --reduce source
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_moe as jm
+
+
+def parse_args():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--hidden", type=int, default=7168)
+  p.add_argument("--experts", type=int, default=256)
+  p.add_argument("--topk", type=int, default=8)
+  p.add_argument("--tokens", type=int, default=128, help="tokens per rank")
+  p.add_argument("--dispatch-dtype", choices=("fp8", "bf16"), default="fp8")
+  p.add_argument("--reduce", choices=("source", "expert"), default="source")
+  p.add_argument("--backend", default="cuda")
+  p.add_argument("--ep", type=int, default=None, help="use the first N devices (default all)")
+  p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--json", default=None, help="also write the table here")
+  return p.parse_args()
+
+
+def main():
+  a = parse_args()
+  devices = jax.devices()[:a.ep] if a.ep else jax.devices()
+  R = len(devices)
+  mesh = Mesh(np.array(devices), ("ep",))
+  cfg = jm.MoEConfig(a.experts, a.topk, a.hidden, a.tokens,
+                     dispatch_dtype=jnp.float8_e4m3fn if a.dispatch_dtype == "fp8" else jnp.bfloat16,
+                     combine_reduce=a.reduce)
+  comm = jm.Communicator(cfg, mesh, "ep", backend=a.backend)
+
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((R * a.tokens, a.hidden)), jnp.bfloat16)
+  logits = rng.standard_normal((R * a.tokens, a.experts))
+  ids = np.argsort(-logits, axis=1)[:, :a.topk].astype(np.int32)
+  w = rng.random((R * a.tokens, a.topk)).astype(np.float32)
+  shard = NamedSharding(mesh, P("ep"))
+  x, ids, w = (jax.device_put(v, shard) for v in (x, ids, w))
+
+  def step(x, ids, w):
+    r = comm.dispatch(x, ids, w)
+    y = (r.x.astype(jnp.bfloat16) if r.scales is None
+         else jm.dequantize_fp8(r.x, r.scales, jnp.bfloat16))
+    return comm.combine(y, r.handle)
+
+  def loop(x, ids, w):
+    return jax.lax.fori_loop(0, a.iters, lambda i, v: step(v, ids, w), x)
+
+  run = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep"),
+                              check_vma=False))
+  run(x, ids, w).block_until_ready()
+  comm.check()
+  trace_dir = tempfile.mkdtemp(prefix="jax_moe_profile_")
+  with jax.profiler.trace(trace_dir):
+    run(x, ids, w).block_until_ready()
+  comm.check()
+
+  (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+  data = jax.profiler.ProfileData.from_file(path)
+  table = {}
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU:"):
+      continue
+    kernels = collections.defaultdict(list)
+    first, last = None, None
+    for line in plane.lines:
+      if "Stream" not in line.name and "stream" not in line.name:
+        continue
+      for ev in line.events:
+        kernels[ev.name].append(ev.duration_ns / 1e3)
+        first = ev.start_ns if first is None else min(first, ev.start_ns)
+        last = max(last or 0, ev.start_ns + ev.duration_ns)
+    if not kernels:
+      print(f"{plane.name}: no stream lines among {[line.name for line in plane.lines]}")
+      continue
+    rows = sorted(((name, len(v), float(np.mean(v)), float(np.sum(v)))
+                   for name, v in kernels.items()), key=lambda r: -r[3])
+    span = (last - first) / 1e3 / a.iters if first is not None else float("nan")
+    table[plane.name] = {"span_us_per_step": span,
+                         "kernels": [dict(name=n, count=c, mean_us=m, total_us=t)
+                                     for n, c, m, t in rows]}
+    print(f"{plane.name}: busy span {span:.1f} us per step "
+          f"({a.backend}, {a.dispatch_dtype}, {a.reduce}, {a.tokens} tokens/rank, EP{R})")
+    for n, c, m, t in rows[:14]:
+      print(f"  {m:9.1f} us x{c:4d}  {n[:90]}")
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump({"config": vars(a), "planes": table}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
