@@ -142,7 +142,6 @@ class XlaBackend:
     counts = jnp.zeros((E + 1,), jnp.int32).at[key].add(1)[:E].reshape(R, L)
 
     fits = valid & (pos < C)
-    flat = jnp.where(fits, dest * C + pos, R * C).reshape(-1)
 
     if isinstance(x, tuple):
       q, scales = x
@@ -153,21 +152,23 @@ class XlaBackend:
     if cfg.is_fp8:
       q = jax.lax.bitcast_convert_type(q, jnp.uint8)
 
-    def to_wire(per_slot):  # [T*K, ...] in (t, k) order -> [R, C, ...] wire buffers
-      wire = jnp.zeros((R * C,) + per_slot.shape[1:], per_slot.dtype)
-      return wire.at[flat].set(per_slot, mode="drop").reshape((R, C) + per_slot.shape[1:])
+    # Wire row (d, i) holds sorted slot dest_start[d] + i; rows are gathered, not scattered
+    # (row scatters are slow on GPU). Rows past a dest's count, or past C, stay zero.
+    i = jnp.arange(C, dtype=jnp.int32)
+    wire_used = i[None, :] < per_dest[:, None]                              # [R, C]
+    wire_slot = order[jnp.minimum(dest_start[:R, None] + i[None, :], T * K - 1)]
+    wire_token = wire_slot // K
 
-    def pack(rows):  # [T, ...] token rows; every routed slot carries its token's row
-      per_slot = jnp.broadcast_to(rows[:, None], (T, K) + rows.shape[1:])
-      return to_wire(per_slot.reshape((T * K,) + rows.shape[1:]))
+    def pack(rows):  # [T, ...] token rows -> [R, C, ...] wire buffers
+      picked = rows[wire_token]
+      return jnp.where(wire_used.reshape(wire_used.shape + (1,) * (rows.ndim - 1)), picked,
+                       jnp.zeros((), rows.dtype))
 
     slot_weights = jnp.where(valid, topk_weights, 0.0).astype(jnp.float32)
-    meta = jnp.stack([
-        jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[:, None], (T, K)),
-        jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32)[None, :], (T, K)),
-        jax.lax.bitcast_convert_type(slot_weights, jnp.int32),
-    ], axis=-1)
-    wire_meta = to_wire(meta.reshape(T * K, 3))
+    wire_meta = jnp.where(wire_used[..., None], jnp.stack([
+        wire_token, wire_slot % K,
+        jax.lax.bitcast_convert_type(slot_weights.reshape(-1)[wire_slot], jnp.int32),
+    ], axis=-1), 0)
 
     self._report([
         (n_given != n, ErrorCode.BAD_NUM_TOKENS, Stage.DISPATCH_SEND, n_given),
@@ -208,11 +209,21 @@ class XlaBackend:
     present = i[None, :] < cum[:, -1:]
     placed = present & (row < cap)
     recv_rows = jnp.where(placed, row, -1).astype(jnp.int32)     # [R, C]
-    target = jnp.where(placed, row, cap).reshape(-1)
 
-    def place(wire):  # [R, C, ...] -> [cap, ...], zeros where nothing lands
-      out = jnp.zeros((cap,) + wire.shape[2:], wire.dtype)
-      return out.at[target].set(wire.reshape((R * C,) + wire.shape[2:]), mode="drop")
+    # Dispatched row j of segment e, at offset o = j - seg_start[e], comes from the source s
+    # whose run covers o and sits at wire row (cum - counts)[s, e] + o - src_start[s, e].
+    j = jnp.arange(cap, dtype=jnp.int32)
+    e_j = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), j, side="right"), L - 1)
+    o_j = j - seg_start[e_j]
+    real = o_j < tokens_per_expert[e_j]
+    s_j = jnp.minimum(jnp.sum(o_j[None, :] >= (src_start + counts)[:, e_j], axis=0), R - 1)
+    i_j = (cum - counts)[s_j, e_j] + o_j - src_start[s_j, e_j]
+    wire_j = jnp.where(real, s_j * C + jnp.clip(i_j, 0, C - 1), 0)
+
+    def place(wire):  # [R, C, ...] -> [cap, ...], zeros on padding and past the total
+      rows = wire.reshape((R * C,) + wire.shape[2:])[wire_j]
+      return jnp.where(real.reshape(real.shape + (1,) * (wire.ndim - 2)), rows,
+                       jnp.zeros((), wire.dtype))
 
     x = place(p.recv_x)
     if cfg.is_fp8:
