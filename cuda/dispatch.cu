@@ -213,12 +213,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_count_kernel(CommView v) {
 }
 
 // Every block derives the layout from expert_counts (tiny), then warps take tasks:
-// [0, R*T): token (s, t): slot_rows for its K slots and its row copied to each of them;
-// [R*T, R*T + C): output row r, zeroed when it is padding or past the total.
+// [0, R*T*parts): token (s, t) and part of its row: the part copied to each of the token's
+// rows here; part 0 also writes slot_rows for its K slots and the rows' weights;
+// [R*T*parts, R*T*parts + C): output row r, zeroed when it is padding or past the total.
 // The last block acknowledges every source: their regions here may be overwritten.
 __global__ void __launch_bounds__(kThreads)
 dispatch_place_kernel(CommView v, void* x_out, float* scales_out, float* weights_out,
-                      int32_t* group_sizes, int32_t* tokens_per_expert, int32_t* slot_rows) {
+                      int32_t* group_sizes, int32_t* tokens_per_expert, int32_t* slot_rows,
+                      int parts) {
   const MoeDims& d = v.dims;
   const BufferLayout lay = buffer_layout(d);
   const int R = d.world, T = d.max_tokens, K = d.topk, L = d.local_experts, C = d.capacity;
@@ -277,38 +279,40 @@ dispatch_place_kernel(CommView v, void* x_out, float* scales_out, float* weights
   const int32_t* ids = reinterpret_cast<const int32_t*>(v.local + lay.recv_ids);
   const float* route_w = reinterpret_cast<const float*>(v.local + lay.recv_weights);
   uint4* x_rows = static_cast<uint4*>(x_out);
-  const int token_tasks = R * T;
+  const int token_tasks = R * T * parts;
   for (int task = global_warp(); task < token_tasks + C; task += global_warps()) {
     if (task < token_tasks) {
-      const int s = task / T, t = task % T;
+      const int item = task / parts, part = task % parts;  // item = s * T + t
+      const int s = item / T, t = item % T;
       int row = -1;
-      float w = 0.f;
       if (lane < K) {
-        const size_t slot = size_t(task) * K + lane;
+        const size_t slot = size_t(item) * K + lane;
         if (t < ntok[s]) {
           const int e = __ldcg(ids + slot) - me * L;
           if (e >= 0 && e < L) {
             row = first_row[s * L + e] + v.slot_rank[slot];
             if (row >= C) row = -2;  // dropped: capacity overflow
-            w = __ldcg(route_w + slot);
           }
         }
-        slot_rows[slot] = row;
+        if (part == 0) {
+          slot_rows[slot] = row;
+          if (row >= 0) weights_out[row] = __ldcg(route_w + slot);
+        }
       }
       const unsigned placed = __ballot_sync(kFullMask, row >= 0);
       if (!placed) continue;
-      if (row >= 0) weights_out[row] = w;
       warp_rows[warp][lane] = row;
       __syncwarp();
       const char* src = token_slot(v.local, lay, d, s, t);
-      warp_copy(0, row_chunks,
+      warp_copy(part_begin(row_chunks, part, parts), part_begin(row_chunks, part + 1, parts),
                 [&](int c) { return __ldcg(reinterpret_cast<const uint4*>(src) + c); },
                 [&](int c, uint4 value) {
                   for (unsigned m = placed; m; m &= m - 1)
                     x_rows[size_t(warp_rows[warp][__ffs(m) - 1]) * row_chunks + c] = value;
                 });
       const float* src_scales = reinterpret_cast<const float*>(src + size_t(row_chunks) * 16);
-      for (int b = lane; b < nb; b += 32) {
+      const int b_end = part_begin(nb, part + 1, parts);
+      for (int b = part_begin(nb, part, parts) + lane; b < b_end; b += 32) {
         const float value = __ldcg(src_scales + b);
         for (unsigned m = placed; m; m &= m - 1)
           scales_out[size_t(warp_rows[warp][__ffs(m) - 1]) * nb + b] = value;
@@ -364,10 +368,15 @@ cudaError_t launch_dispatch_recv(const CommView& view, void* x, float* scales, f
                           stream>>>(view);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return status;
-  const int tasks = d.world * d.max_tokens + d.capacity;
+  // Token rows split along hidden (at most 8 parts of >= 32 vectors) so that a decode-sized
+  // call spreads its copies over every warp of the grid.
+  const int row_chunks = d.fp8 ? d.hidden / 16 : d.hidden / 8;
+  const int parts = parts_per_item(d.world * d.max_tokens, max(1, min(8, row_chunks / 32)),
+                                   view.max_blocks);
+  const int tasks = d.world * d.max_tokens * parts + d.capacity;
   dispatch_place_kernel<<<grid_for(tasks, view.max_blocks), kThreads,
                           place_smem_bytes(d), stream>>>(
-      view, x, scales, weights, group_sizes, tokens_per_expert, slot_rows);
+      view, x, scales, weights, group_sizes, tokens_per_expert, slot_rows, parts);
   return cudaGetLastError();
 }
 
