@@ -12,7 +12,7 @@ namespace jax_moe {
 namespace {
 
 constexpr int kBatch = 8;  // rows loaded before they are summed (memory-level parallelism)
-constexpr int kChunksPerLane = 2;  // expert-mode combine_send: vectors one lane sums at once
+constexpr int kChunksPerLane = 2;  // vectors one lane sums at once (loads in flight x2)
 
 // Source mode: one warp per slot (s, t, k) held here; y[row] goes to comb[t][k] on source s
 // (zeros for a slot dropped by capacity overflow, so it adds nothing there).
@@ -152,41 +152,65 @@ combine_recv_kernel(CommView v, const int32_t* send_dest, const float* topk_weig
     uint64_t ranks = 0;
     for (int k = 0; k < K; ++k)
       if (warp_dest[warp][k] >= 0) ranks |= 1ull << warp_dest[warp][k];
-    const int end = part_begin(chunks, part + 1, parts);
-    for (int c = part_begin(chunks, part, parts) + lane; c < end; c += 32) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      float f[8];
+    const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
+    // Each lane sums kChunksPerLane vectors at once (twice the loads in flight); every element
+    // is still summed in k order (source mode) or rank order (expert mode) from 0.
+    for (int c0 = begin + lane; c0 < end; c0 += 32 * kChunksPerLane) {
+      float acc[kChunksPerLane][8];
+#pragma unroll
+      for (int j = 0; j < kChunksPerLane; ++j)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
       if (!d.reduce_expert) {
         for (int k0 = 0; k0 < K; k0 += kBatch) {
-          uint4 rows[kBatch];
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u)
-            if (k0 + u < K && warp_dest[warp][k0 + u] >= 0)
-              rows[u] = __ldcg(comb + (size_t(t) * K + k0 + u) * chunks + c);
+          uint4 rows[kBatch][kChunksPerLane];
 #pragma unroll
           for (int u = 0; u < kBatch; ++u) {
             if (k0 + u >= K || warp_dest[warp][k0 + u] < 0) continue;
-            bf16x8_to_f32(rows[u], f);
-            accumulate_scaled(acc, warp_weights[warp][k0 + u], f);
+            const uint4* src = comb + (size_t(t) * K + k0 + u) * chunks;
+#pragma unroll
+            for (int j = 0; j < kChunksPerLane; ++j)
+              if (c0 + 32 * j < end) rows[u][j] = __ldcg(src + c0 + 32 * j);
+          }
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            if (k0 + u >= K || warp_dest[warp][k0 + u] < 0) continue;
+            const float w = warp_weights[warp][k0 + u];
+#pragma unroll
+            for (int j = 0; j < kChunksPerLane; ++j) {
+              if (c0 + 32 * j >= end) continue;
+              float f[8];
+              bf16x8_to_f32(rows[u][j], f);
+              accumulate_scaled(acc[j], w, f);
+            }
           }
         }
       } else {
         for (int p = 0; p < R; ++p) {
           if (!((ranks >> p) & 1)) continue;
           const size_t part_row = size_t(p) * T + t;
-          if (d.partial_bf16) {
-            bf16x8_to_f32(__ldcg(comb + part_row * chunks + c), f);
-          } else {
-            const float4* src = reinterpret_cast<const float4*>(comb) + (part_row * chunks + c) * 2;
-            const float4 a = __ldcg(src), b = __ldcg(src + 1);
-            f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-            f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-          }
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], f[i]);
+          for (int j = 0; j < kChunksPerLane; ++j) {
+            const int c = c0 + 32 * j;
+            if (c >= end) continue;
+            float f[8];
+            if (d.partial_bf16) {
+              bf16x8_to_f32(__ldcg(comb + part_row * chunks + c), f);
+            } else {
+              const float4* src =
+                  reinterpret_cast<const float4*>(comb) + (part_row * chunks + c) * 2;
+              const float4 a = __ldcg(src), b = __ldcg(src + 1);
+              f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+              f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[j][i] = __fadd_rn(acc[j][i], f[i]);
+          }
         }
       }
-      out[size_t(t) * chunks + c] = f32_to_bf16x8(acc);
+#pragma unroll
+      for (int j = 0; j < kChunksPerLane; ++j)
+        if (c0 + 32 * j < end) out[size_t(t) * chunks + c0 + 32 * j] = f32_to_bf16x8(acc[j]);
     }
     __syncwarp();
   }
