@@ -262,7 +262,9 @@ __global__ void __launch_bounds__(kCountMaxWarps * 32, 1) dispatch_count_kernel(
 // rows here; part 0 also writes slot_rows for its K slots and the rows' weights;
 // [R*T*parts, R*T*parts + C): output row r, zeroed when it is padding or past the total.
 // The last block acknowledges every source: their regions here may be overwritten.
-__global__ void __launch_bounds__(kThreads)
+// The grid has at most SMs/2 blocks, one per SM is all it needs: the 1 lets ptxas keep the
+// 8-deep copy in registers (it capped the kernel at 64 and spilled).
+__global__ void __launch_bounds__(kThreads, 1)
 dispatch_place_kernel(CommView v, void* x_out, float* scales_out, float* weights_out,
                       int32_t* group_sizes, int32_t* tokens_per_expert, int32_t* slot_rows,
                       int parts) {
