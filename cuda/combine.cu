@@ -12,15 +12,17 @@ namespace jax_moe {
 namespace {
 
 constexpr int kBatch = 8;  // rows loaded before they are summed (memory-level parallelism)
+constexpr int kChunksPerLane = 2;  // vectors one lane sums at once (loads in flight x2)
 
 // Source mode: one warp per slot (s, t, k) held here; y[row] goes to comb[t][k] on source s
 // (zeros for a slot dropped by capacity overflow, so it adds nothing there).
-// Expert mode: one warp per (s, t) with a slot here; p = sum in k order of w * y[row] in f32,
-// stored in partial dtype at part[this rank][t] on source s.
+// Expert mode: one warp per (s, t) with a slot here and part of hidden (`parts` per row, so
+// that a decode-sized call spreads over every warp of the grid); p = sum in k order of
+// w * y[row] in f32, stored in partial dtype at part[this rank][t] on source s.
 // The last block publishes the sequence to every rank.
 __global__ void __launch_bounds__(kThreads)
 combine_send_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
-                    const float* row_weights, int32_t* done) {
+                    const float* row_weights, int32_t* done, int parts) {
   const MoeDims& d = v.dims;
   const BufferLayout lay = buffer_layout(d);
   const int R = d.world, T = d.max_tokens, K = d.topk, C = d.capacity, me = d.rank;
@@ -45,43 +47,69 @@ combine_send_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
       }
     }
   } else {
+    // Rows of the slots of (s, t) that have one here, compacted in k order, and their weights.
     __shared__ int32_t warp_rows[kWarps][32];
     __shared__ float warp_weights[kWarps][32];
     const int warp = threadIdx.x / 32;
     const size_t pbytes = partial_bytes(d);
-    for (int task = global_warp(); task < R * T; task += global_warps()) {
-      int row = lane < K ? slot_rows[size_t(task) * K + lane] : -1;
+    for (int task = global_warp(); task < R * T * parts; task += global_warps()) {
+      const int item = task / parts, part = task % parts;  // item = s * T + t
+      int row = lane < K ? slot_rows[size_t(item) * K + lane] : -1;
       if (row >= C || row < -1) row = -2;  // held here but no row: contributes nothing
       if (!__ballot_sync(kFullMask, row != -1)) continue;
-      warp_rows[warp][lane] = row;
-      warp_weights[warp][lane] = row >= 0 ? row_weights[row] : 0.f;
+      const unsigned with_row = __ballot_sync(kFullMask, row >= 0);
+      const int rows_here = __popc(with_row);
+      if (row >= 0) {
+        const int i = __popc(with_row & ((1u << lane) - 1));  // k order kept
+        warp_rows[warp][i] = row;
+        warp_weights[warp][i] = row_weights[row];
+      }
       __syncwarp();
-      const int s = task / T, t = task % T;
+      const int s = item / T, t = item % T;
       char* dst = v.peers[s] + lay.combine + (size_t(me) * T + t) * d.hidden * pbytes;
-      for (int c = lane; c < chunks; c += 32) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        // kBatch loads in flight, then the sums in k order.
-        for (int k0 = 0; k0 < K; k0 += kBatch) {
-          uint4 rows[kBatch];
+      const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
+      // Each lane sums kChunksPerLane vectors at once: up to kBatch * kChunksPerLane loads in
+      // flight before the sums, which run in k order for every element.
+      for (int c0 = begin + lane; c0 < end; c0 += 32 * kChunksPerLane) {
+        float acc[kChunksPerLane][8];
+#pragma unroll
+        for (int j = 0; j < kChunksPerLane; ++j)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
+        for (int i0 = 0; i0 < rows_here; i0 += kBatch) {
+          uint4 rows[kBatch][kChunksPerLane];
 #pragma unroll
           for (int u = 0; u < kBatch; ++u) {
-            const int r = k0 + u < K ? warp_rows[warp][k0 + u] : -1;
-            if (r >= 0) rows[u] = y[size_t(r) * chunks + c];
+            if (i0 + u >= rows_here) continue;
+            const uint4* src = y + size_t(warp_rows[warp][i0 + u]) * chunks;
+#pragma unroll
+            for (int j = 0; j < kChunksPerLane; ++j)
+              if (c0 + 32 * j < end) rows[u][j] = src[c0 + 32 * j];
           }
 #pragma unroll
           for (int u = 0; u < kBatch; ++u) {
-            if (k0 + u >= K || warp_rows[warp][k0 + u] < 0) continue;
-            float f[8];
-            bf16x8_to_f32(rows[u], f);
-            accumulate_scaled(acc, warp_weights[warp][k0 + u], f);
+            if (i0 + u >= rows_here) continue;
+            const float w = warp_weights[warp][i0 + u];
+#pragma unroll
+            for (int j = 0; j < kChunksPerLane; ++j) {
+              if (c0 + 32 * j >= end) continue;
+              float f[8];
+              bf16x8_to_f32(rows[u][j], f);
+              accumulate_scaled(acc[j], w, f);
+            }
           }
         }
-        if (d.partial_bf16) {
-          reinterpret_cast<uint4*>(dst)[c] = f32_to_bf16x8(acc);
-        } else {
-          float4* out = reinterpret_cast<float4*>(dst) + 2 * c;
-          out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-          out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+#pragma unroll
+        for (int j = 0; j < kChunksPerLane; ++j) {
+          const int c = c0 + 32 * j;
+          if (c >= end) continue;
+          if (d.partial_bf16) {
+            reinterpret_cast<uint4*>(dst)[c] = f32_to_bf16x8(acc[j]);
+          } else {
+            float4* out = reinterpret_cast<float4*>(dst) + 2 * c;
+            out[0] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+            out[1] = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
+          }
         }
       }
       __syncwarp();
@@ -124,41 +152,65 @@ combine_recv_kernel(CommView v, const int32_t* send_dest, const float* topk_weig
     uint64_t ranks = 0;
     for (int k = 0; k < K; ++k)
       if (warp_dest[warp][k] >= 0) ranks |= 1ull << warp_dest[warp][k];
-    const int end = part_begin(chunks, part + 1, parts);
-    for (int c = part_begin(chunks, part, parts) + lane; c < end; c += 32) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      float f[8];
+    const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
+    // Each lane sums kChunksPerLane vectors at once (twice the loads in flight); every element
+    // is still summed in k order (source mode) or rank order (expert mode) from 0.
+    for (int c0 = begin + lane; c0 < end; c0 += 32 * kChunksPerLane) {
+      float acc[kChunksPerLane][8];
+#pragma unroll
+      for (int j = 0; j < kChunksPerLane; ++j)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
       if (!d.reduce_expert) {
         for (int k0 = 0; k0 < K; k0 += kBatch) {
-          uint4 rows[kBatch];
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u)
-            if (k0 + u < K && warp_dest[warp][k0 + u] >= 0)
-              rows[u] = __ldcg(comb + (size_t(t) * K + k0 + u) * chunks + c);
+          uint4 rows[kBatch][kChunksPerLane];
 #pragma unroll
           for (int u = 0; u < kBatch; ++u) {
             if (k0 + u >= K || warp_dest[warp][k0 + u] < 0) continue;
-            bf16x8_to_f32(rows[u], f);
-            accumulate_scaled(acc, warp_weights[warp][k0 + u], f);
+            const uint4* src = comb + (size_t(t) * K + k0 + u) * chunks;
+#pragma unroll
+            for (int j = 0; j < kChunksPerLane; ++j)
+              if (c0 + 32 * j < end) rows[u][j] = __ldcg(src + c0 + 32 * j);
+          }
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            if (k0 + u >= K || warp_dest[warp][k0 + u] < 0) continue;
+            const float w = warp_weights[warp][k0 + u];
+#pragma unroll
+            for (int j = 0; j < kChunksPerLane; ++j) {
+              if (c0 + 32 * j >= end) continue;
+              float f[8];
+              bf16x8_to_f32(rows[u][j], f);
+              accumulate_scaled(acc[j], w, f);
+            }
           }
         }
       } else {
         for (int p = 0; p < R; ++p) {
           if (!((ranks >> p) & 1)) continue;
           const size_t part_row = size_t(p) * T + t;
-          if (d.partial_bf16) {
-            bf16x8_to_f32(__ldcg(comb + part_row * chunks + c), f);
-          } else {
-            const float4* src = reinterpret_cast<const float4*>(comb) + (part_row * chunks + c) * 2;
-            const float4 a = __ldcg(src), b = __ldcg(src + 1);
-            f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-            f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-          }
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], f[i]);
+          for (int j = 0; j < kChunksPerLane; ++j) {
+            const int c = c0 + 32 * j;
+            if (c >= end) continue;
+            float f[8];
+            if (d.partial_bf16) {
+              bf16x8_to_f32(__ldcg(comb + part_row * chunks + c), f);
+            } else {
+              const float4* src =
+                  reinterpret_cast<const float4*>(comb) + (part_row * chunks + c) * 2;
+              const float4 a = __ldcg(src), b = __ldcg(src + 1);
+              f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+              f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[j][i] = __fadd_rn(acc[j][i], f[i]);
+          }
         }
       }
-      out[size_t(t) * chunks + c] = f32_to_bf16x8(acc);
+#pragma unroll
+      for (int j = 0; j < kChunksPerLane; ++j)
+        if (c0 + 32 * j < end) out[size_t(t) * chunks + c0 + 32 * j] = f32_to_bf16x8(acc[j]);
     }
     __syncwarp();
   }
@@ -173,9 +225,15 @@ combine_recv_kernel(CommView v, const int32_t* send_dest, const float* topk_weig
 cudaError_t launch_combine_send(const CommView& view, const void* y, const int32_t* slot_rows,
                                 const float* row_weights, int32_t* done, cudaStream_t stream) {
   const MoeDims& d = view.dims;
-  const int tasks = d.reduce_expert ? d.world * d.max_tokens : d.world * d.max_tokens * d.topk;
+  // Expert mode splits each (source, token) along hidden, at most 8 parts of >= 32 vectors.
+  const int parts = d.reduce_expert ? parts_per_item(d.world * d.max_tokens,
+                                                     std::max(1, std::min(8, d.hidden / 8 / 32)),
+                                                     view.max_blocks)
+                                    : 1;
+  const int tasks = d.reduce_expert ? d.world * d.max_tokens * parts
+                                    : d.world * d.max_tokens * d.topk;
   combine_send_kernel<<<grid_for(tasks, view.max_blocks), kThreads, 0, stream>>>(
-      view, static_cast<const uint4*>(y), slot_rows, row_weights, done);
+      view, static_cast<const uint4*>(y), slot_rows, row_weights, done, parts);
   return cudaGetLastError();
 }
 

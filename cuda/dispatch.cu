@@ -174,51 +174,100 @@ __device__ inline int received_tokens(const CommView& v, const BufferLayout& lay
   return min(max(n, 0), v.dims.max_tokens);
 }
 
-// Waits for every source, then one warp per (source s, local expert e) scans the routes of s
-// in (t, k) order: expert_counts[s][e] = its slots here, slot_rank[s][t][k] = the slot's
-// position among them (stable, so rows keep (s, t, k) order inside each segment).
-__global__ void __launch_bounds__(kThreads) dispatch_count_kernel(CommView v) {
+// dispatch_count: up to 32 warps per block, as many as leave a [warps][L] int32 table in 48 KiB.
+constexpr int kCountMaxWarps = 32;
+constexpr int kCountUnroll = 8;  // slot loads in flight per lane
+
+inline int count_warps(int local_experts) {
+  const int fit = 48 * 1024 / (4 * (local_experts > 0 ? local_experts : 1));
+  return fit < 1 ? 1 : (fit > kCountMaxWarps ? kCountMaxWarps : fit);
+}
+
+// Waits for every source, then one block per source s: each warp takes a contiguous range of
+// the slots of s ((t, k) order), (a) counts its hits per local expert into its row of
+// `warp_counts` [warps][L], (b) one exclusive scan over the warps per expert turns the rows into
+// each warp's first rank (the totals are expert_counts[s][e]), (c) each warp rescans its range
+// in slot order: slot_rank[s][t][k] = the slot's position among the slots of s for its expert
+// (stable, so rows keep (s, t, k) order inside each segment).
+// One block per SM is enough (a grid of R blocks); without the 1 ptxas caps it at 32 registers.
+__global__ void __launch_bounds__(kCountMaxWarps * 32, 1) dispatch_count_kernel(CommView v) {
   const MoeDims& d = v.dims;
   const BufferLayout lay = buffer_layout(d);
   const int T = d.max_tokens, K = d.topk, L = d.local_experts;
   const uint64_t seq = v.counters->dispatch_seq;
   block_wait_all(v, v.local, lay.dispatch_flag, seq, kStageDispatchRecv);
 
+  extern __shared__ int32_t warp_counts[];  // [warps][L]
   const int lane = lane_id();
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  int32_t* mine = warp_counts + warp * L;
+  const unsigned lanes_before = (1u << lane) - 1;
   const int32_t* ids = reinterpret_cast<const int32_t*>(v.local + lay.recv_ids);
-  for (int pair = global_warp(); pair < d.world * L; pair += global_warps()) {
-    const int s = pair / L;
-    const int expert = d.rank * L + pair % L;
+  const int first_expert = d.rank * L;
+  for (int s = blockIdx.x; s < d.world; s += gridDim.x) {
+    for (int i = threadIdx.x; i < warps * L; i += blockDim.x) warp_counts[i] = 0;
+    __syncthreads();
     const int n = received_tokens(v, lay, s) * K;
-    const size_t base = size_t(s) * T * K;
-    int running = 0;
-    for (int j0 = 0; j0 < n; j0 += 32 * kUnroll) {
-      int slot_ids[kUnroll];  // kUnroll loads in flight, then the ballots in slot order
+    const int begin = part_begin(n, warp, warps), end = part_begin(n, warp + 1, warps);
+    const int32_t* slot_ids = ids + size_t(s) * T * K;
+    int32_t* ranks = v.slot_rank + size_t(s) * T * K;
+    // Local expert of slot j of this warp's range, or -1 (not routed here, or past the range).
+    auto local_expert = [&](int j) {
+      const int e = j < end ? __ldcg(slot_ids + j) - first_expert : -1;
+      return e >= 0 && e < L ? e : -1;
+    };
+
+    for (int j0 = begin; j0 < end; j0 += 32 * kCountUnroll) {  // (a)
+      int e[kCountUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int j = j0 + 32 * u + lane;
-        slot_ids[u] = j < n ? __ldcg(ids + base + j) : -1;
+      for (int u = 0; u < kCountUnroll; ++u) e[u] = local_expert(j0 + 32 * u + lane);
+#pragma unroll
+      for (int u = 0; u < kCountUnroll; ++u)
+        if (e[u] >= 0) atomicAdd(&mine[e[u]], 1);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < L; e += blockDim.x) {  // (b)
+      int before = 0;
+      for (int w = 0; w < warps; ++w) {
+        const int count = warp_counts[w * L + e];
+        warp_counts[w * L + e] = before;
+        before += count;
       }
+      v.expert_counts[s * L + e] = before;
+    }
+    __syncthreads();
+    for (int j0 = begin; j0 < end; j0 += 32 * kCountUnroll) {  // (c)
+      int e[kCountUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int j = j0 + 32 * u + lane;
-        const bool hit = j < n && slot_ids[u] == expert;
-        const unsigned hits = __ballot_sync(kFullMask, hit);
-        if (hit) v.slot_rank[base + j] = running + __popc(hits & ((1u << lane) - 1));
-        running += __popc(hits);
+      for (int u = 0; u < kCountUnroll; ++u) e[u] = local_expert(j0 + 32 * u + lane);
+#pragma unroll
+      for (int u = 0; u < kCountUnroll; ++u) {
+        if (!__ballot_sync(kFullMask, e[u] >= 0)) continue;
+        // Lanes of one expert in this step: rank = the warp's running count + lanes before.
+        const unsigned same = __match_any_sync(kFullMask, e[u]);
+        const int before = __popc(same & lanes_before);
+        const int running = e[u] >= 0 ? mine[e[u]] : 0;
+        if (e[u] >= 0) ranks[j0 + 32 * u + lane] = running + before;
+        __syncwarp();
+        if (e[u] >= 0 && before == 0) mine[e[u]] = running + __popc(same);
+        __syncwarp();
       }
     }
-    if (lane == 0) v.expert_counts[pair] = running;
+    __syncthreads();  // the table is reset for the next source
   }
 }
 
 // Every block derives the layout from expert_counts (tiny), then warps take tasks:
-// [0, R*T): token (s, t): slot_rows for its K slots and its row copied to each of them;
-// [R*T, R*T + C): output row r, zeroed when it is padding or past the total.
+// [0, R*T*parts): token (s, t) and part of its row: the part copied to each of the token's
+// rows here; part 0 also writes slot_rows for its K slots and the rows' weights;
+// [R*T*parts, R*T*parts + C): output row r, zeroed when it is padding or past the total.
 // The last block acknowledges every source: their regions here may be overwritten.
-__global__ void __launch_bounds__(kThreads)
+// The grid has at most SMs/2 blocks, one per SM is all it needs: the 1 lets ptxas keep the
+// 8-deep copy in registers (it capped the kernel at 64 and spilled).
+__global__ void __launch_bounds__(kThreads, 1)
 dispatch_place_kernel(CommView v, void* x_out, float* scales_out, float* weights_out,
-                      int32_t* group_sizes, int32_t* tokens_per_expert, int32_t* slot_rows) {
+                      int32_t* group_sizes, int32_t* tokens_per_expert, int32_t* slot_rows,
+                      int parts) {
   const MoeDims& d = v.dims;
   const BufferLayout lay = buffer_layout(d);
   const int R = d.world, T = d.max_tokens, K = d.topk, L = d.local_experts, C = d.capacity;
@@ -277,38 +326,40 @@ dispatch_place_kernel(CommView v, void* x_out, float* scales_out, float* weights
   const int32_t* ids = reinterpret_cast<const int32_t*>(v.local + lay.recv_ids);
   const float* route_w = reinterpret_cast<const float*>(v.local + lay.recv_weights);
   uint4* x_rows = static_cast<uint4*>(x_out);
-  const int token_tasks = R * T;
+  const int token_tasks = R * T * parts;
   for (int task = global_warp(); task < token_tasks + C; task += global_warps()) {
     if (task < token_tasks) {
-      const int s = task / T, t = task % T;
+      const int item = task / parts, part = task % parts;  // item = s * T + t
+      const int s = item / T, t = item % T;
       int row = -1;
-      float w = 0.f;
       if (lane < K) {
-        const size_t slot = size_t(task) * K + lane;
+        const size_t slot = size_t(item) * K + lane;
         if (t < ntok[s]) {
           const int e = __ldcg(ids + slot) - me * L;
           if (e >= 0 && e < L) {
             row = first_row[s * L + e] + v.slot_rank[slot];
             if (row >= C) row = -2;  // dropped: capacity overflow
-            w = __ldcg(route_w + slot);
           }
         }
-        slot_rows[slot] = row;
+        if (part == 0) {
+          slot_rows[slot] = row;
+          if (row >= 0) weights_out[row] = __ldcg(route_w + slot);
+        }
       }
       const unsigned placed = __ballot_sync(kFullMask, row >= 0);
       if (!placed) continue;
-      if (row >= 0) weights_out[row] = w;
       warp_rows[warp][lane] = row;
       __syncwarp();
       const char* src = token_slot(v.local, lay, d, s, t);
-      warp_copy(0, row_chunks,
+      warp_copy(part_begin(row_chunks, part, parts), part_begin(row_chunks, part + 1, parts),
                 [&](int c) { return __ldcg(reinterpret_cast<const uint4*>(src) + c); },
                 [&](int c, uint4 value) {
                   for (unsigned m = placed; m; m &= m - 1)
                     x_rows[size_t(warp_rows[warp][__ffs(m) - 1]) * row_chunks + c] = value;
                 });
       const float* src_scales = reinterpret_cast<const float*>(src + size_t(row_chunks) * 16);
-      for (int b = lane; b < nb; b += 32) {
+      const int b_end = part_begin(nb, part + 1, parts);
+      for (int b = part_begin(nb, part, parts) + lane; b < b_end; b += 32) {
         const float value = __ldcg(src_scales + b);
         for (unsigned m = placed; m; m &= m - 1)
           scales_out[size_t(warp_rows[warp][__ffs(m) - 1]) * nb + b] = value;
@@ -360,14 +411,20 @@ cudaError_t launch_dispatch_recv(const CommView& view, void* x, float* scales, f
                                  int32_t* group_sizes, int32_t* tokens_per_expert,
                                  int32_t* slot_rows, cudaStream_t stream) {
   const MoeDims& d = view.dims;
-  dispatch_count_kernel<<<grid_for(d.world * d.local_experts, view.max_blocks), kThreads, 0,
-                          stream>>>(view);
+  const int warps = count_warps(d.local_experts);
+  dispatch_count_kernel<<<min(d.world, view.max_blocks), warps * 32,
+                          size_t(warps) * d.local_experts * 4, stream>>>(view);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return status;
-  const int tasks = d.world * d.max_tokens + d.capacity;
+  // Token rows split along hidden (at most 8 parts of >= 32 vectors) so that a decode-sized
+  // call spreads its copies over every warp of the grid.
+  const int row_chunks = d.fp8 ? d.hidden / 16 : d.hidden / 8;
+  const int parts = parts_per_item(d.world * d.max_tokens, max(1, min(8, row_chunks / 32)),
+                                   view.max_blocks);
+  const int tasks = d.world * d.max_tokens * parts + d.capacity;
   dispatch_place_kernel<<<grid_for(tasks, view.max_blocks), kThreads,
                           place_smem_bytes(d), stream>>>(
-      view, x, scales, weights, group_sizes, tokens_per_expert, slot_rows);
+      view, x, scales, weights, group_sizes, tokens_per_expert, slot_rows, parts);
   return cudaGetLastError();
 }
 

@@ -51,7 +51,7 @@ __device__ inline uint32_t quantize_e4m3(float x, float multiplier) {
 // One warp moves 16-byte vectors [begin, end): store(c, load(c)) for each c, with kUnroll
 // loads in flight per lane before their stores (a copy loop with one load in flight is bound
 // by memory latency, not bandwidth).
-constexpr int kUnroll = 4;
+constexpr int kUnroll = 8;
 template <typename Load, typename Store>
 __device__ inline void warp_copy(int begin, int end, Load load, Store store) {
   for (int c0 = begin + lane_id(); c0 < end; c0 += 32 * kUnroll) {
