@@ -1,0 +1,295 @@
+"""One process of an N-process expert-parallel job; tests/gpu/test_multiprocess.py starts N of them.
+
+Every process drives one device (one rank of the "ep" axis, ranks in process order) and
+joins the others through jax.distributed. With the cuda backend, ranks in other processes
+map each other's buffers through CUDA IPC handles exchanged in the distributed key-value
+store; several processes may share one GPU. Each process builds the same global problem
+from one seed, runs the parity program of tests/moe_runner.py (dispatch + combine twice)
+on global arrays, and checks the ranks it holds against tests/reference.py: dispatched
+rows, scales, weights and counts bit for bit, combine within the bounds of
+checks.check_combine, and a second run bit-identical to the first.
+
+  python tests/gpu/mp_worker.py --process-id I --num-processes N --port P --gpu G --out r.json
+
+writes {"ok": bool, "errors": [...], ...} to --out and exits 0 only when ok.
+--platform cpu runs the same job with the xla backend on one CPU device per process
+(no GPU needed; checks this script itself).
+"""
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # reference, checks, moe_runner
+
+from routing_cases import SCENARIOS, routing  # noqa: E402  (numpy only: jax is not imported yet)
+
+CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+INIT_TIMEOUT_S = 60
+BARRIER_TIMEOUT_MS = 90_000  # longer than a kernel's timeout, so a stuck rank shows as TIMEOUT
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--process-id", type=int, required=True)
+    parser.add_argument("--num-processes", type=int, required=True,
+                        help="processes in the job = ranks of the ep axis")
+    parser.add_argument("--port", type=int, required=True, help="coordinator port on 127.0.0.1")
+    parser.add_argument("--gpu", type=int, default=None,
+                        help="CUDA device index this process uses (required with --platform cuda)")
+    parser.add_argument("--out", type=Path, required=True, help="result JSON")
+    parser.add_argument("--platform", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda: the cuda backend; cpu: the xla backend on one CPU device")
+    parser.add_argument("--dispatch", choices=("bf16", "fp8", "fp8-prequantized"), default="fp8")
+    parser.add_argument("--reduce", choices=("source", "expert"), default="source")
+    parser.add_argument("--partial-dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--expert-padding", type=int, default=1)
+    parser.add_argument("--split", action="store_true",
+                        help="dispatch_send/recv and combine_send/recv instead of the fused calls")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"comma-separated routing scenarios of tests/routing_cases.py "
+                             f"(default: all of {','.join(SCENARIOS)})")
+    parser.add_argument("--seed", type=int, default=20261130)
+    args = parser.parse_args(argv)
+    if not 0 <= args.process_id < args.num_processes:
+        parser.error(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+    if args.platform == "cuda" and (args.gpu is None or args.gpu < 0):
+        parser.error(f"--gpu must be a CUDA device index >= 0 with --platform cuda, got {args.gpu}")
+    args.scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = [s for s in args.scenarios if s not in SCENARIOS]
+    if unknown or not args.scenarios:
+        parser.error(f"--scenarios must name some of {SCENARIOS}, got {unknown or 'none'}")
+    return args
+
+
+def configure_environment(args):
+    """Before jax is imported: one device per process, memory taken as needed (GPUs are shared)."""
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    os.environ.setdefault("JAX_MOE_TIMEOUT_S", "20")
+    if args.platform == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(args.gpu)
+    else:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                 if not f.startswith(CPU_DEVICE_COUNT_FLAG)]  # tests/conftest.py asks for 8
+        os.environ["XLA_FLAGS"] = " ".join(flags + [f"{CPU_DEVICE_COUNT_FLAG}=1"])
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    configure_environment(ARGS)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax._src import distributed  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_moe as jm  # noqa: E402
+import reference as ref  # noqa: E402
+from checks import (_scaled_y, assert_bitwise_equal, assert_combine_within,  # noqa: E402
+                    assert_dispatch_matches, combine_bound)
+from moe_runner import (AXIS, DISPATCH_FIELDS, RunResult, Runner, Setup,  # noqa: E402
+                        make_inputs, shard_map)
+
+
+class Barrier:
+    """Waits for every process at the coordinator (no device collective: ranks may share a GPU)."""
+
+    def __init__(self):
+        self._client = distributed.global_state.client
+        self._count = 0
+
+    def __call__(self, what):
+        self._count += 1
+        self._client.wait_at_barrier(f"jax_moe_mp_{self._count}_{what}", BARRIER_TIMEOUT_MS)
+
+
+class ProcessRunner(Runner):
+    """moe_runner.Runner's program over a mesh spanning processes; returns this process's ranks."""
+
+    def __init__(self, setup, mesh, barrier):
+        # Runner.__init__ builds its mesh from the first devices; this one is given.
+        self.setup = setup
+        self.geometry = setup.geometry
+        self.mesh = mesh
+        self.comm = jm.Communicator(setup.config(), mesh, axis=AXIS, backend=setup.backend)
+        self._program = jax.jit(shard_map(self._per_shard, mesh, in_specs=P(AXIS),
+                                          out_specs=P(AXIS)))
+        self._compiled = None
+        self._barrier = barrier
+        me = jax.process_index()
+        self.ranks = [r for r, d in enumerate(mesh.devices.flat) if d.process_index == me]
+
+    def _global(self, host):
+        """Global array of `host` ([R * n, ...], the same in every process) sharded over ranks."""
+        sharding = NamedSharding(self.mesh, P(AXIS))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    def _local(self, array):
+        """[len(self.ranks), ...] this process's blocks of a global array sharded over ranks."""
+        if array is None:
+            return None
+        rows = array.shape[0] // self.geometry.axis_size
+        blocks = {(shard.index[0].start or 0) // rows: np.asarray(shard.data)
+                  for shard in array.addressable_shards}
+        return np.stack([blocks[r] for r in self.ranks])
+
+    def run_local(self, inputs, what):
+        g = self.geometry
+        R, T = g.axis_size, g.max_tokens
+        scales = inputs.scales
+        if scales is None:  # the program always takes scales; only pre-quantized runs read them
+            scales = np.zeros((R, T, g.hidden // self.setup.block_size), np.float32)
+        flat = lambda a: a.reshape(R * a.shape[1], *a.shape[2:])  # noqa: E731
+        args = [self._global(a) for a in (flat(inputs.x), flat(scales),
+                                          flat(inputs.routing.topk_ids),
+                                          flat(inputs.routing.topk_weights),
+                                          inputs.routing.num_tokens, flat(inputs.y_given))]
+        if self._compiled is None:
+            # Compiling takes each process a different time; a rank's kernels must not wait
+            # for a peer that is still compiling, so compile first and meet before running.
+            self._compiled = self._program.lower(*args).compile()
+        self._barrier(what)
+        first, second, out_given, out_scaled = jax.block_until_ready(self._compiled(*args))
+        local = lambda d: {k: self._local(v) for k, v in d.items()}  # noqa: E731
+        return RunResult(local(first), local(second), self._local(out_given),
+                         self._local(out_scaled))
+
+
+def failures(what, check, *args):
+    """[f"{what}: message"] when the assertion `check(*args)` fails, else []."""
+    try:
+        check(*args)
+    except AssertionError as e:
+        return [f"{what}: {e}"]
+    return []
+
+
+def check_local_ranks(setup, inputs, result, ranks):
+    """Errors of the ranks this process holds, against the reference of the whole job.
+
+    The same checks as test_cuda_backend (assert_dispatch_matches, check_combine), restricted
+    to `ranks`: the other ranks' outputs live in other processes.
+    """
+    g = setup.geometry
+    expected = ref.dispatch_reference(g, inputs.routing, inputs.rows, inputs.row_scales)
+    errors = []
+    for i, rank in enumerate(ranks):
+        for name, fields in (("first dispatch", result.first), ("second dispatch", result.second)):
+            mine = {k: None if v is None else v[i:i + 1] for k, v in fields.items()}
+            errors += failures(f"rank {rank}, {name} (checked as rank 0)",
+                               assert_dispatch_matches, mine,
+                               types.SimpleNamespace(ranks=[expected.ranks[rank]]))
+
+    summands = g.experts_per_token + g.axis_size
+    bf16_partials = setup.combine_reduce == "expert" and setup.partial_dtype == "bfloat16"
+    partial = ref.BF16 if bf16_partials else np.float32
+    given = ref.combine_reference(g, inputs.routing, expected, inputs.y_given,
+                                  setup.combine_reduce, partial)
+    given = ref.CombineReference(given.out[ranks], given.term_magnitude[ranks],
+                                 given.partial_rounding[ranks])
+    errors += failures(f"ranks {ranks}", assert_combine_within, result.out_given, given.out,
+                       combine_bound(result.out_given, given, summands),
+                       "combine(random y) vs spec formula")
+
+    rows = (ref.dequantize_fp8(inputs.rows, inputs.row_scales) if inputs.row_scales is not None
+            else inputs.rows.astype(np.float32))
+    dense, magnitude = ref.dense_moe_reference(g, inputs.routing, rows, ref.scaled_by_expert)
+    scaled = ref.combine_reference(g, inputs.routing, expected, _scaled_y(setup, expected),
+                                   setup.combine_reduce, partial)
+    bound = ref.combine_tolerance(result.out_scaled, dense[ranks], magnitude[ranks], summands,
+                                  extra=scaled.partial_rounding[ranks] / 2)
+    errors += failures(f"ranks {ranks}", assert_combine_within, result.out_scaled, dense[ranks],
+                       bound, "combine(expert_fn(y)) vs dense MoE")
+    return errors
+
+
+def check_identical(runs, ranks):
+    """Errors where the second run's outputs differ in any bit from the first's."""
+    a, b = runs
+    pairs = [(f"{run} {k}", getattr(a, run)[k], getattr(b, run)[k])
+             for run in ("first", "second") for k in DISPATCH_FIELDS]
+    pairs += [("out_given", a.out_given, b.out_given), ("out_scaled", a.out_scaled, b.out_scaled)]
+    return [e for what, x, y in pairs if x is not None
+            for e in failures(f"ranks {ranks}, run 2 vs run 1", assert_bitwise_equal, y, x, what)]
+
+
+def log(message):
+    print(f"[process {jax.process_index()}] {message}", file=sys.stderr, flush=True)
+
+
+def run_job(args):
+    """Every scenario twice; returns the errors. A run that raises ends the job."""
+    setup = Setup("cuda" if args.platform == "cuda" else "xla", args.num_processes,
+                  dispatch=args.dispatch, expert_padding=args.expert_padding,
+                  combine_reduce=args.reduce, partial_dtype=args.partial_dtype, split=args.split)
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if len(devices) != args.num_processes:
+        return [f"expected one device per process ({args.num_processes}), got {devices}"]
+    mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
+    barrier = Barrier()
+    runner = ProcessRunner(setup, mesh, barrier)
+    log(f"ranks {runner.ranks} on {runner.mesh.devices.flat[runner.ranks[0]]}, {setup}")
+    rng = np.random.default_rng(args.seed)  # the same draws in every process
+    errors = []
+    for scenario in args.scenarios:
+        started = time.monotonic()
+        inputs = make_inputs(setup, rng, routing(rng, setup.geometry, scenario))
+        runs = []
+        for attempt in (1, 2):
+            runs.append(runner.run_local(inputs, f"{scenario}_{attempt}"))
+            runner.comm.check()
+        found = check_local_ranks(setup, inputs, runs[0], runner.ranks)
+        found += check_identical(runs, runner.ranks)
+        errors += [f"{scenario}: {e}" for e in found]
+        log(f"{scenario}: {'ok' if not found else f'{len(found)} errors'} "
+            f"({time.monotonic() - started:.1f} s)")
+    barrier("finished")  # no peer still writes into this process's buffers
+    runner.comm.close()
+    return errors
+
+
+def initialize_distributed(args):
+    """jax.distributed over loopback with this process's one device.
+
+    The coordinator listens on loopback only, and the timeouts are short (a dead peer ends the
+    job in seconds, not minutes), where the installed jax takes those options.
+    """
+    address = f"127.0.0.1:{args.port}"
+    options = dict(coordinator_bind_address=address, initialization_timeout=INIT_TIMEOUT_S,
+                   heartbeat_timeout_seconds=30, shutdown_timeout_seconds=30)
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    jax.distributed.initialize(coordinator_address=address, num_processes=args.num_processes,
+                               process_id=args.process_id, local_device_ids=[0],
+                               **{k: v for k, v in options.items() if k in accepted})
+
+
+def main(args):
+    started = time.monotonic()
+    errors = []
+    try:
+        initialize_distributed(args)
+        errors = run_job(args)
+    except Exception as e:  # noqa: BLE001 - reported in the result file; the peers time out
+        errors.append(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    result = {"ok": not errors, "errors": errors, "process_id": args.process_id,
+              "num_processes": args.num_processes, "seconds": round(time.monotonic() - started, 1)}
+    args.out.write_text(json.dumps(result, indent=1))
+    for error in errors:
+        print(error, file=sys.stderr)
+    print(f"[process {args.process_id}] {'ok' if not errors else 'FAILED'}", file=sys.stderr,
+          flush=True)
+    if not errors:
+        jax.distributed.shutdown()
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(ARGS))

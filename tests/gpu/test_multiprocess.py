@@ -1,0 +1,143 @@
+"""The cuda backend with one rank per process: buffers mapped by CUDA IPC, several ranks a GPU.
+
+Each job starts N copies of mp_worker.py on a fresh loopback coordinator port; process i is
+rank i and uses the CUDA device gpus[i]. Every worker runs each routing scenario of
+tests/routing_cases.py twice and checks its own rank against tests/reference.py (dispatch bit
+for bit, combine within check_combine's bounds, the two runs bit-identical). The job passes when
+every worker exits 0 within the job's time limit; otherwise the workers' errors and the tails of
+their stderr are shown. The EP8 job (four processes per GPU) runs only with JAX_MOE_TEST_EP8=1.
+
+Without a GPU, `mp_worker.py --platform cpu` runs the same job with the xla backend on one CPU
+device per process (see its docstring); tests/conftest.py skips everything under tests/gpu there.
+"""
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+WORKER = Path(__file__).with_name("mp_worker.py")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STDERR_TAIL_LINES = 25
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    name: str
+    gpus: tuple  # CUDA device of process i (= rank i)
+    options: tuple = ()  # mp_worker.py options
+    timeout_s: int = 180
+    only_with: str | None = None  # run only when this environment variable is "1"
+
+    @property
+    def num_processes(self):
+        return len(self.gpus)
+
+
+JOBS = (
+    Job("ep2-1perGPU-fp8-source-padding16", (0, 1),
+        ("--dispatch", "fp8", "--reduce", "source", "--expert-padding", "16")),
+    Job("ep2-1perGPU-bf16-expert-split", (0, 1),
+        ("--dispatch", "bf16", "--reduce", "expert", "--split")),
+    Job("ep4-2perGPU-fp8-source", (0, 0, 1, 1), ("--dispatch", "fp8", "--reduce", "source")),
+    Job("ep8-4perGPU-fp8prequantized-expert-bf16partials", (0, 0, 0, 0, 1, 1, 1, 1),
+        ("--dispatch", "fp8-prequantized", "--reduce", "expert", "--partial-dtype", "bfloat16"),
+        timeout_s=300, only_with="JAX_MOE_TEST_EP8"),
+)
+
+
+def cuda_device_count():
+    try:
+        return len(jax.devices("cuda"))
+    except RuntimeError:
+        return 0
+
+
+def free_loopback_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(job, process_id, port, folder):
+    command = [sys.executable, str(WORKER), "--process-id", str(process_id),
+               "--num-processes", str(job.num_processes), "--port", str(port),
+               "--gpu", str(job.gpus[process_id]),
+               "--out", str(folder / f"result{process_id}.json"), *job.options]
+    # Inherited: PATH, PYTHONPATH, XLA_FLAGS, NCCL_NVLS_ENABLE and the other NVLS switches.
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_MOE_TIMEOUT_S="20",
+               PYTHONUNBUFFERED="1")
+    with open(folder / f"stdout{process_id}.txt", "w") as out, \
+            open(folder / f"stderr{process_id}.txt", "w") as err:
+        return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=err,
+                                stdin=subprocess.DEVNULL)
+
+
+def wait_all(processes, timeout_s):
+    """Exit codes; processes still running at the deadline are killed and get None."""
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for p in processes:
+        try:
+            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    for p, code in zip(processes, codes):
+        if code is None:
+            p.kill()
+            p.wait()
+    return codes
+
+
+def worker_errors(folder, process_id):
+    result = folder / f"result{process_id}.json"
+    return json.loads(result.read_text())["errors"] if result.exists() else None
+
+
+def worker_summary(process_id, gpu, code, errors):
+    """One line: how the worker ended and the first line of its first error."""
+    state = "killed at the job's time limit" if code is None else f"exit code {code}"
+    if errors is None:
+        return f"worker {process_id} (gpu {gpu}): {state}, no result file"
+    first = errors[0].splitlines()[0][:300] if errors else "no errors"
+    return f"worker {process_id} (gpu {gpu}): {state}, {len(errors)} errors; {first}"
+
+
+def worker_details(folder, process_id, errors):
+    lines = [f"worker {process_id}:"]
+    lines += [f"  error: {e}" for e in (errors or [])[:5]]
+    stderr = (folder / f"stderr{process_id}.txt").read_text(errors="replace").splitlines()
+    lines.append(f"  stderr, last {STDERR_TAIL_LINES} lines:")
+    return lines + [f"    {line}" for line in stderr[-STDERR_TAIL_LINES:]]
+
+
+def run_job(job, folder):
+    port = free_loopback_port()
+    processes = [start_worker(job, i, port, folder) for i in range(job.num_processes)]
+    codes = wait_all(processes, job.timeout_s)
+    if all(code == 0 for code in codes):
+        return
+    errors = [worker_errors(folder, i) for i in range(job.num_processes)]
+    report = [f"{job.name}: exit codes {codes} (all must be 0), logs in {folder}"]
+    report += [worker_summary(i, job.gpus[i], code, errors[i]) for i, code in enumerate(codes)]
+    for i in range(job.num_processes):
+        report += worker_details(folder, i, errors[i])
+    pytest.fail("\n".join(report))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("job", JOBS, ids=lambda job: job.name)
+def test_ranks_in_separate_processes_match_reference(job, tmp_path):
+    if job.only_with and os.environ.get(job.only_with) != "1":
+        pytest.skip(f"runs only with {job.only_with}=1")
+    needed, present = max(job.gpus) + 1, cuda_device_count()
+    if present < needed:
+        pytest.skip(f"needs {needed} CUDA devices, {present} present")
+    run_job(job, tmp_path)
