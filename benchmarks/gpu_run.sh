@@ -3,10 +3,11 @@
 # one-line summary per suite. Logs go to $OUT (the device tool's output folder) or ./gpu_logs.
 #   benchmarks/gpu_run.sh [STEP...]   (default: tests parity)
 # Build and topology always run; then each STEP in order:
-#   tests    tests/gpu (XLA defaults)
+#   tests    tests/gpu/test_cuda_backend.py (XLA defaults)
+#   mp       tests/gpu/test_multiprocess.py (2 processes x 1 GPU, 4 processes on 2 GPUs)
 #   parity   the shared parity, runtime-error and quantization tests (tests/*.py) on the GPUs
 #   quant    tests/test_quantization.py on the GPU (quantize_fp8 must match the spec there)
-#   cmdbuf   tests/gpu with XLA command buffers off, then forced on for custom calls
+#   cmdbuf   tests/gpu/test_cuda_backend.py with XLA command buffers off, then forced on for custom calls
 #   bench    bench_dispatch_combine.py for the cuda backend at decode and prefill sizes
 set -u -o pipefail
 steps=("$@")
@@ -42,15 +43,16 @@ suite() {
 
 for step in "${steps[@]}"; do
   case $step in
-    tests) suite gpu_default 150 tests/gpu ;;
+    tests) suite gpu_default 150 tests/gpu/test_cuda_backend.py ;;
+    mp) suite multiprocess 300 -rs tests/gpu/test_multiprocess.py ;;
     parity)
       suite parity_cuda 240 tests/test_parity.py tests/test_runtime_errors.py -k cuda
       suite quantization_gpu 60 tests/test_quantization.py ;;
     quant) suite quantization_gpu 60 tests/test_quantization.py ;;
     cmdbuf)
-      XLA_FLAGS=--xla_gpu_enable_command_buffer= suite gpu_cmdbuf_off 120 tests/gpu
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= suite gpu_cmdbuf_off 120 tests/gpu/test_cuda_backend.py
       XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
-        suite gpu_cmdbuf_forced 120 tests/gpu ;;
+        suite gpu_cmdbuf_forced 120 tests/gpu/test_cuda_backend.py ;;
     bench)
       # Only the JSON tables come back (the device tool returns at most 8 files).
       timeout -s KILL 180 python3 benchmarks/bench_dispatch_combine.py --backends cuda \
