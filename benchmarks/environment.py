@@ -1,4 +1,4 @@
-"""Where a benchmark runs: the mesh, shard_map across jax versions, and provenance for results."""
+"""Where a benchmark runs: the mesh and provenance for results."""
 
 from __future__ import annotations
 
@@ -13,18 +13,6 @@ from jax.sharding import Mesh, PartitionSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 AXIS = "ep"
-
-
-def shard_map(fn, mesh: Mesh, in_specs, out_specs):
-  """jax.shard_map where it exists (jax >= 0.7), else the experimental one.
-
-  Replication checks are off: FFI custom calls carry no replication rule.
-  """
-  if hasattr(jax, "shard_map"):
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-  from jax.experimental.shard_map import shard_map as experimental_shard_map
-  return experimental_shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                check_rep=False)
 
 
 def ep_mesh(ep: int | None) -> Mesh:

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.environment import REPLICATED, SHARDED, shard_map
+from benchmarks.environment import REPLICATED, SHARDED
+from jax_moe.sharding import shard_map
 
 
 def consume_output(x, topk_ids: jax.Array, topk_weights: jax.Array, out: jax.Array):

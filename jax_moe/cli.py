@@ -29,14 +29,7 @@ def _simulate_cpu_devices(count: int = 8) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} {_CPU_DEVICES_FLAG}={count}".strip()
 
 
-def _shard_map(fn, mesh, in_specs, out_specs):
-  """jax.shard_map (jax >= 0.7) or the experimental one, with the replication check off:
-  it cannot see through the cuda backend's FFI custom calls."""
-  import jax
-  if hasattr(jax, "shard_map"):
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-  from jax.experimental.shard_map import shard_map
-  return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
 
 
 # ------------------------------------------------------------------------------------ info
@@ -136,6 +129,7 @@ def _demo(args) -> int:
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import jax_moe as jm
+  from jax_moe.sharding import shard_map
 
   devices = jax.devices()
   mesh = Mesh(np.array(devices), ("ep",))
@@ -158,7 +152,7 @@ def _demo(args) -> int:
   for backend in jm.available_backends():
     for cfg in configs:
       with jm.Communicator(cfg, mesh, axis="ep", backend=backend) as comm:
-        step = jax.jit(_shard_map(_moe_layer(comm), mesh, in_specs=(P("ep"),) * 4,
+        step = jax.jit(shard_map(_moe_layer(comm), mesh, in_specs=(P("ep"),) * 4,
                                   out_specs=P("ep")))
         out = np.asarray(step(*inputs), np.float32)
         comm.check()

@@ -16,20 +16,13 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jax_moe as jm
+from jax_moe.sharding import shard_map
 from meshes import make_mesh
 from reference import Geometry, quantize_fp8
 from routing_cases import activations, random_expert_outputs, random_fp8_rows
 
 AXIS = "ep"
 DISPATCH_FIELDS = ("x", "scales", "weights", "group_sizes", "tokens_per_expert")
-
-
-def shard_map(f, mesh, in_specs, out_specs):
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    from jax.experimental.shard_map import shard_map as legacy_shard_map
-
-    return legacy_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 @dataclasses.dataclass(frozen=True)

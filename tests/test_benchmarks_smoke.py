@@ -23,7 +23,7 @@ if str(REPO) not in sys.path:  # `benchmarks` is a folder of the checkout, not a
     sys.path.insert(0, str(REPO))
 
 from benchmarks import methods, peers, reference  # noqa: E402
-from benchmarks.environment import shard_map  # noqa: E402
+from jax_moe.sharding import shard_map  # noqa: E402
 from benchmarks.problem import Shape, make_inputs, traffic  # noqa: E402
 
 SCRIPT = REPO / "benchmarks" / "bench_dispatch_combine.py"

@@ -3,7 +3,6 @@
 The combine tolerances are stated in checks.check_combine.
 """
 
-import numpy as np
 import pytest
 
 import jax_moe as jm

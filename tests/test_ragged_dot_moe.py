@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 import reference as ref
 from checks import assert_combine_within
-from moe_runner import AXIS, Setup, dequantize_rows, describe, make_inputs, runner, shard_map
+from moe_runner import AXIS, Setup, dequantize_rows, describe, make_inputs, runner
+from jax_moe.sharding import shard_map
 from routing_cases import routing
 
 

@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 import jax_moe as jm
 import reference as ref
 from checks import assert_dispatch_matches, check_combine
-from moe_runner import AXIS, Setup, make_inputs, runner, shard_map
+from moe_runner import AXIS, Setup, make_inputs, runner
+from jax_moe.sharding import shard_map
 from routing_cases import routing
 
 DISPATCH_SEND, DISPATCH_RECV = 1, 2

@@ -96,7 +96,8 @@ import reference as ref  # noqa: E402
 from checks import (_scaled_y, assert_bitwise_equal, assert_combine_within,  # noqa: E402
                     assert_dispatch_matches, combine_bound)
 from moe_runner import (AXIS, DISPATCH_FIELDS, RunResult, Runner, Setup,  # noqa: E402
-                        make_inputs, shard_map)
+                        make_inputs)
+from jax_moe.sharding import shard_map  # noqa: E402
 
 
 class Barrier:

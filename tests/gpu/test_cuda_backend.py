@@ -18,7 +18,8 @@ import jax_moe as jm
 import reference as ref
 from checks import assert_combine_within, assert_dispatch_matches, check_combine
 from meshes import make_mesh
-from moe_runner import AXIS, Setup, describe, make_inputs, runner, shard_map
+from moe_runner import AXIS, Setup, describe, make_inputs, runner
+from jax_moe.sharding import shard_map
 from routing_cases import routing
 
 pytestmark = pytest.mark.gpu
