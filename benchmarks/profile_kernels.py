@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_moe as jm
+from jax_moe.sharding import shard_map
 
 
 def parse_args():
@@ -67,8 +68,7 @@ def main():
   def loop(x, ids, w):
     return jax.lax.fori_loop(0, a.iters, lambda i, v: step(v, ids, w), x)
 
-  run = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep"),
-                              check_vma=False))
+  run = jax.jit(shard_map(loop, mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
   run(x, ids, w).block_until_ready()
   comm.check()
   trace_dir = tempfile.mkdtemp(prefix="jax_moe_profile_")
