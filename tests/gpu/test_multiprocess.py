@@ -7,8 +7,8 @@ for bit, combine within check_combine's bounds, the two runs bit-identical). The
 every worker exits 0 within the job's time limit; otherwise the workers' errors and the tails of
 their stderr are shown. The EP8 job (four processes per GPU) runs only with JAX_MOE_TEST_EP8=1.
 
-Without a GPU, `mp_worker.py --platform cpu` runs the same job with the xla backend on one CPU
-device per process (see its docstring); tests/conftest.py skips everything under tests/gpu there.
+`mp_worker.py --platform cpu` runs the same job with the xla backend on one CPU device per
+process; the CPU job below runs on every machine.
 """
 
 import dataclasses
@@ -50,6 +50,14 @@ JOBS = (
     Job("ep8-4perGPU-fp8prequantized-expert-bf16partials", (0, 0, 0, 0, 1, 1, 1, 1),
         ("--dispatch", "fp8-prequantized", "--reduce", "expert", "--partial-dtype", "bfloat16"),
         timeout_s=300, only_with="JAX_MOE_TEST_EP8"),
+)
+
+
+# The same launcher with the xla backend on one CPU device per process: runs everywhere (CI
+# too) and checks the jax.distributed wiring and the worker's own checks without a GPU.
+CPU_JOBS = (
+    Job("cpu-ep2-fp8-source", (0, 0), ("--platform", "cpu", "--dispatch", "fp8",
+                                        "--reduce", "source")),
 )
 
 
@@ -140,4 +148,9 @@ def test_ranks_in_separate_processes_match_reference(job, tmp_path):
     needed, present = max(job.gpus) + 1, cuda_device_count()
     if present < needed:
         pytest.skip(f"needs {needed} CUDA devices, {present} present")
+    run_job(job, tmp_path)
+
+
+@pytest.mark.parametrize("job", CPU_JOBS, ids=lambda job: job.name)
+def test_xla_ranks_in_separate_cpu_processes_match_reference(job, tmp_path):
     run_job(job, tmp_path)
