@@ -201,8 +201,10 @@ class XlaBackend:
     # Wire row i of source s belongs to local expert e with cum[s, e-1] <= i < cum[s, e].
     cum = jnp.cumsum(counts, axis=1)
     i = jnp.arange(C, dtype=jnp.int32)
-    e_of = jax.vmap(lambda c: jnp.searchsorted(c, i, side="right"))(cum).astype(jnp.int32)
-    e_of = jnp.minimum(e_of, L - 1)
+    # compare_all: one vectorised comparison; the default binary search is a while loop, which
+    # XLA:GPU steps from the host.
+    e_of = jax.vmap(lambda c: jnp.searchsorted(c, i, side="right", method="compare_all"))(cum)
+    e_of = jnp.minimum(e_of.astype(jnp.int32), L - 1)
     sources = jnp.arange(R)[:, None]
     within = i[None, :] - (cum - counts)[sources, e_of]
     row = seg_start[e_of] + src_start[sources, e_of] + within
@@ -213,7 +215,8 @@ class XlaBackend:
     # Dispatched row j of segment e, at offset o = j - seg_start[e], comes from the source s
     # whose run covers o and sits at wire row (cum - counts)[s, e] + o - src_start[s, e].
     j = jnp.arange(cap, dtype=jnp.int32)
-    e_j = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), j, side="right"), L - 1)
+    e_j = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), j, side="right",
+                                       method="compare_all"), L - 1)
     o_j = j - seg_start[e_j]
     real = o_j < tokens_per_expert[e_j]
     s_j = jnp.minimum(jnp.sum(o_j[None, :] >= (src_start + counts)[:, e_j], axis=0), R - 1)
