@@ -198,23 +198,13 @@ class XlaBackend:
     seg_start = _exclusive_cumsum(group_sizes)
     src_start = _exclusive_cumsum(counts, axis=0)  # [R, L] offset of source s inside segment e
 
-    # Wire row i of source s belongs to local expert e with cum[s, e-1] <= i < cum[s, e].
-    cum = jnp.cumsum(counts, axis=1)
-    i = jnp.arange(C, dtype=jnp.int32)
-    # compare_all: one vectorised comparison; the default binary search is a while loop, which
-    # XLA:GPU steps from the host.
-    e_of = jax.vmap(lambda c: jnp.searchsorted(c, i, side="right", method="compare_all"))(cum)
-    e_of = jnp.minimum(e_of.astype(jnp.int32), L - 1)
-    sources = jnp.arange(R)[:, None]
-    within = i[None, :] - (cum - counts)[sources, e_of]
-    row = seg_start[e_of] + src_start[sources, e_of] + within
-    present = i[None, :] < cum[:, -1:]
-    placed = present & (row < cap)
-    recv_rows = jnp.where(placed, row, -1).astype(jnp.int32)     # [R, C]
-
     # Dispatched row j of segment e, at offset o = j - seg_start[e], comes from the source s
     # whose run covers o and sits at wire row (cum - counts)[s, e] + o - src_start[s, e].
+    # Rows past `cap` do not exist, so overflowing rows are never placed.
+    cum = jnp.cumsum(counts, axis=1)
     j = jnp.arange(cap, dtype=jnp.int32)
+    # compare_all: one vectorised comparison; the default binary search is a while loop, which
+    # XLA:GPU steps from the host.
     e_j = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), j, side="right",
                                        method="compare_all"), L - 1)
     o_j = j - seg_start[e_j]
@@ -222,6 +212,11 @@ class XlaBackend:
     s_j = jnp.minimum(jnp.sum(o_j[None, :] >= (src_start + counts)[:, e_j], axis=0), R - 1)
     i_j = (cum - counts)[s_j, e_j] + o_j - src_start[s_j, e_j]
     wire_j = jnp.where(real, s_j * C + jnp.clip(i_j, 0, C - 1), 0)
+
+    # The inverse map, wire row -> dispatched row (-1: not placed), for the way back.
+    recv_rows = jnp.full((R * C,), -1, jnp.int32).at[jnp.where(real, wire_j, R * C)].set(
+        j, mode="drop").reshape(R, C)
+    placed = recv_rows >= 0
 
     def place(wire):  # [R, C, ...] -> [cap, ...], zeros on padding and past the total
       rows = wire.reshape((R * C,) + wire.shape[2:])[wire_j]
@@ -236,6 +231,7 @@ class XlaBackend:
 
     # (source, token, slot) -> dispatched row, for the expert-side partial sums of combine.
     tok, slot = p.recv_meta[..., 0], p.recv_meta[..., 1]
+    sources = jnp.arange(R)[:, None]
     flat_slot = jnp.where(placed, (sources * T + tok) * K + slot, R * T * K).reshape(-1)
     slot_rows = jnp.full((R * T * K,), -1, jnp.int32).at[flat_slot].set(
         recv_rows.reshape(-1), mode="drop").reshape(R, T, K)
