@@ -224,23 +224,9 @@ def print_table(rows: list[dict], mode: str) -> None:
           f"{speed if speed else float('nan'):6.2f}  {auto if auto else float('nan'):6.2f}")
 
 
-def main(argv=None) -> int:
-  args = parse_args(argv)
-  mesh = ep_mesh(args.ep)
-  max_bytes = max(args.sizes)
-  reducers = {}
-  for name in KERNEL_METHODS:
-    if name not in args.methods:
-      continue
-    try:
-      reducers[name] = jm.AllReduce(mesh, AXIS, max_bytes=max_bytes, algorithm=name)
-    except ValueError as e:  # one_shot/two_shot need the CUDA build; auto falls back to psum
-      print(f"{name}: not available here ({e})", file=sys.stderr)
-  results = []
-  for size in args.sizes:
-    results += measure_size(size, mesh, reducers, args)
+def make_payload(results: list[dict], mesh, max_bytes: int, args) -> dict:
   tables = {mode: crossover_table(results, mode) for mode in args.modes}
-  payload = {
+  return {
       "benchmark": "all_reduce",
       "environment": provenance(mesh, args.git_commit),
       "config": {"dtype": args.dtype, "sizes_bytes": args.sizes, "methods": args.methods,
@@ -257,14 +243,32 @@ def main(argv=None) -> int:
                      for mode, rows in tables.items()},
       "results": results,
   }
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  mesh = ep_mesh(args.ep)
+  max_bytes = max(args.sizes)
+  reducers = {}
+  for name in KERNEL_METHODS:
+    if name not in args.methods:
+      continue
+    try:
+      reducers[name] = jm.AllReduce(mesh, AXIS, max_bytes=max_bytes, algorithm=name)
+    except ValueError as e:  # one_shot/two_shot need the CUDA build; auto falls back to psum
+      print(f"{name}: not available here ({e})", file=sys.stderr)
+  stem = args.out / f"all_reduce_{device_slug(mesh)}_{args.dtype}"
+  results, payload = [], {}
+  for size in args.sizes:
+    results += measure_size(size, mesh, reducers, args)
+    payload = make_payload(results, mesh, max_bytes, args)
+    report.write_json(stem.with_suffix(".json"), payload)  # after every size: a kill keeps them
   for ar in reducers.values():
     ar.check()
     ar.close()
-  stem = args.out / f"all_reduce_{device_slug(mesh)}_{args.dtype}"
-  report.write_json(stem.with_suffix(".json"), payload)
   plotted = plot.plot_all_reduce(payload, stem.with_suffix(".png"))
-  for mode, rows in tables.items():
-    print_table(rows, mode)
+  for mode in args.modes:
+    print_table(payload["crossovers"][mode]["table"], mode)
   print(f"\nwrote {stem}.json" + (" and .png" if plotted else ""))
   return 0 if all(r["status"] == "ok" for r in results) else 1
 
