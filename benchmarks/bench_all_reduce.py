@@ -20,6 +20,7 @@ and prints the table.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import traceback
@@ -86,10 +87,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--methods", type=parse_csv(METHODS), default=list(METHODS))
   p.add_argument("--modes", type=parse_csv(MODES), default=list(MODES))
   p.add_argument("--ep", type=int, default=None, help="use the first N devices (default all)")
-  p.add_argument("--iters", type=int, default=40, help="calls in the long program")
+  p.add_argument("--iters", type=int, default=110,
+                 help="calls in the long program (loop mode: up to 4x this, within --budget-s)")
   p.add_argument("--short-iters", type=int, default=10, help="calls in the short program")
-  p.add_argument("--reps", type=int, default=5, help="(short, long) pairs per method")
-  p.add_argument("--budget-s", type=float, default=2.0, help="loop mode: seconds per method")
+  p.add_argument("--reps", type=int, default=7, help="(short, long) pairs per method")
+  p.add_argument("--budget-s", type=float, default=1.5, help="loop mode: seconds per method")
+  p.add_argument("--tag", default="", help="appended to the result file names, e.g. 'cmdbuf' "
+                 "for a run with XLA command buffers forced on")
   p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
   p.add_argument("--git-commit", default=None,
                  help="commit to record when the checkout has no .git (a copied tree)")
@@ -137,7 +141,8 @@ def time_method(mode, mesh, reduce, x, args) -> dict:
   program = loop_program(mesh, reduce)
   run = lambda n: program(x, jnp.full((1,), n, jnp.int32))  # noqa: E731
   wall_time(run, args.short_iters)  # compile
-  summary, _ = time_per_iteration(run, args.short_iters, args.iters, args.reps, args.budget_s)
+  # A loop has no compile cost per length, so it affords more calls (less timer noise).
+  summary, _ = time_per_iteration(run, args.short_iters, 4 * args.iters, args.reps, args.budget_s)
   return summary
 
 
@@ -229,7 +234,8 @@ def make_payload(results: list[dict], mesh, max_bytes: int, args) -> dict:
   return {
       "benchmark": "all_reduce",
       "environment": provenance(mesh, args.git_commit),
-      "config": {"dtype": args.dtype, "sizes_bytes": args.sizes, "methods": args.methods,
+      "config": {"tag": args.tag, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                 "dtype": args.dtype, "sizes_bytes": args.sizes, "methods": args.methods,
                  "modes": args.modes, "max_bytes": max_bytes, "ranks": int(mesh.devices.size),
                  "auto_one_shot_max_bytes": jm.all_reduce.AUTO_ONE_SHOT_MAX_BYTES,
                  "iters": args.iters, "short_iters": args.short_iters, "reps": args.reps},
@@ -257,7 +263,8 @@ def main(argv=None) -> int:
       reducers[name] = jm.AllReduce(mesh, AXIS, max_bytes=max_bytes, algorithm=name)
     except ValueError as e:  # one_shot/two_shot need the CUDA build; auto falls back to psum
       print(f"{name}: not available here ({e})", file=sys.stderr)
-  stem = args.out / f"all_reduce_{device_slug(mesh)}_{args.dtype}"
+  stem = args.out / (f"all_reduce_{device_slug(mesh)}_{args.dtype}"
+                     + (f"_{args.tag}" if args.tag else ""))
   results, payload = [], {}
   for size in args.sizes:
     results += measure_size(size, mesh, reducers, args)

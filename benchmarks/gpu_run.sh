@@ -12,6 +12,8 @@
 #   allreduce  tests/gpu/test_all_reduce.py (1 and 2 GPUs in one process; the loop tests again
 #            with command buffers forced on for custom calls) and the 2-process job
 #   arbench  bench_all_reduce.py, bf16, 4 KiB..64 MiB, every method; GIT_COMMIT names the code
+#   arbench_cmdbuf  the same, chained calls only, with command buffers forced on for custom calls
+#            and collectives (file suffix _cmdbuf)
 set -u -o pipefail
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests parity)
@@ -74,6 +76,13 @@ for step in "${steps[@]}"; do
         --out "$logs" > "$logs/bench_all_reduce.log" 2>&1
       echo "arbench: rc=$?"
       tail -40 "$logs/bench_all_reduce.log" ;;
+    arbench_cmdbuf)
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,COLLECTIVES --xla_gpu_graph_min_graph_size=1" \
+        timeout -s KILL 200 python3 benchmarks/bench_all_reduce.py --git-commit "${GIT_COMMIT:-unknown}" \
+        --modes chain --sizes 4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,8MiB,16MiB,64MiB --tag cmdbuf \
+        --out "$logs" > "$logs/bench_all_reduce_cmdbuf.log" 2>&1
+      echo "arbench_cmdbuf: rc=$?"
+      tail -24 "$logs/bench_all_reduce_cmdbuf.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

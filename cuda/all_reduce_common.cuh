@@ -216,9 +216,15 @@ __device__ void reduce_range(Range r, int64_t n, int world, Source source, int c
   });
 }
 
-// Marks this block done; the last block of the grid stores `seq` as the latest call, which the
-// next launch reads (kernel boundaries order it).
+// Stores `seq` as the latest call, which the next launch reads (kernel boundaries order it).
+// One block: every thread read the sequence before signal_peers' barrier, so thread 0 may
+// advance it at once (saving the last-block atomics on small messages). Several blocks: the
+// last block to finish advances it.
 __device__ inline void finish_call(const CommView& v, uint64_t seq) {
+  if (gridDim.x == 1) {
+    if (threadIdx.x == 0) v.counters->all_reduce_seq = seq;
+    return;
+  }
   if (last_block_done(v, kDoneAllReduce) && threadIdx.x == 0) v.counters->all_reduce_seq = seq;
 }
 
