@@ -35,11 +35,11 @@ DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 DEFAULT_MAX_BYTES = 8 << 20
 MAX_MAX_BYTES = 1 << 30  # each rank's buffer holds 2 * R * max_bytes
 
-# `auto`: one-shot up to AUTO_ONE_SHOT_MAX_BYTES, two-shot above, and psum from
-# AUTO_PSUM_FROM_BYTES (None: never below max_bytes), where NCCL was measured faster. From the
-# crossovers measured on 2 x H200 (benchmarks/results/allreduce-*/, docs/perf-notes.md).
+# `auto`: one-shot up to this many bytes, two-shot above (up to max_bytes). Measured on
+# 2 x H200, bf16 (benchmarks/results/allreduce-d789129/): two-shot is faster from 4 MiB in
+# chained calls (27.7 vs 30.0 us) and from 8 MiB in a fori_loop; one-shot below. psum was not
+# faster than the better kernel at any size from 4 KiB to 64 MiB in chained calls.
 AUTO_ONE_SHOT_MAX_BYTES = 2 << 20
-AUTO_PSUM_FROM_BYTES = None
 
 # Switches of NCCL, NVSHMEM and PyTorch symmetric memory that forbid NVLink multicast, with the
 # value that forbids it; the native gate (ffi/cuda/multicast.cc) checks the same list.
@@ -126,8 +126,6 @@ class AllReduce:
     if not self.uses_kernels or nbytes == 0 or nbytes > self.max_bytes:
       return "psum"
     if self.algorithm == "auto":
-      if AUTO_PSUM_FROM_BYTES is not None and nbytes >= AUTO_PSUM_FROM_BYTES:
-        return "psum"
       return "one_shot" if nbytes <= AUTO_ONE_SHOT_MAX_BYTES else "two_shot"
     return self.algorithm
 
