@@ -82,7 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
-                 help=f"bytes per rank: LOW..HIGH in powers of two, or a list (default {DEFAULT_SIZES})")
+                 help="bytes per rank: LOW..HIGH in powers of two, or a list "
+                      f"(default {DEFAULT_SIZES})")
   p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
   p.add_argument("--methods", type=parse_csv(METHODS), default=list(METHODS))
   p.add_argument("--modes", type=parse_csv(MODES), default=list(MODES))

@@ -233,7 +233,8 @@ __device__ inline void finish_call(const CommView& v, uint64_t seq) {
 inline int all_reduce_blocks(int64_t vectors_per_phase) {
   const int64_t per_block = int64_t(kThreads) * kVectorsPerThread;
   const int64_t blocks = (vectors_per_phase + per_block - 1) / per_block;
-  return static_cast<int>(blocks < 1 ? 1 : (blocks > kAllReduceMaxBlocks ? kAllReduceMaxBlocks : blocks));
+  if (blocks < 1) return 1;
+  return static_cast<int>(blocks > kAllReduceMaxBlocks ? kAllReduceMaxBlocks : blocks);
 }
 
 inline bool aligned16(const void* a, const void* b) {

@@ -104,8 +104,8 @@ cudaError_t launch_nvls(const CommView& view, const AllReduceLayout& lay, char* 
                         char* unicast, const void* x, void* out, int64_t n, cudaStream_t stream) {
   const int64_t vectors = (n + Vec<T>::kN - 1) / Vec<T>::kN;
   const int blocks = all_reduce_blocks((vectors + view.dims.world - 1) / view.dims.world);
-  nvls_kernel<T><<<blocks, kThreads, 0, stream>>>(view, lay, multicast, unicast,
-                                                  static_cast<const T*>(x), static_cast<T*>(out), n);
+  nvls_kernel<T><<<blocks, kThreads, 0, stream>>>(
+      view, lay, multicast, unicast, static_cast<const T*>(x), static_cast<T*>(out), n);
   return cudaGetLastError();
 }
 

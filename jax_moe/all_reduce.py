@@ -13,9 +13,10 @@ element's R values in rank order in f32 and rounds once, so all ranks hold bit-i
 results, and one-shot and two-shot agree bit for bit. Larger messages, other platforms and
 builds without CUDA use `jax.lax.psum`.
 
-NVLS (multimem.ld_reduce / multimem.st on a multicast object) is compiled
-(cuda/all_reduce_nvls.cu) but refused by `nvls_refusal` wherever multicast is switched off or
-unsupported, and `auto` never picks it.
+NVLS (multimem.ld_reduce / multimem.st on a multicast object, cuda/all_reduce_nvls.cu and
+ffi/cuda/multicast.cc) runs only with algorithm="nvls", for meshes whose ranks are all in this
+process, where `nvls_refusal` allows it; it is refused, before any multicast call, wherever
+multicast is switched off or unsupported, and `auto` never picks it. It has not run yet.
 """
 
 from __future__ import annotations
@@ -103,18 +104,38 @@ class AllReduce:
       raise ValueError(f"AllReduce: algorithm {algorithm!r} needs GPUs and jax_moe._native built "
                        f"with CUDA; platform {platform!r}, native CUDA: {native.has_cuda()}")
     if algorithm == "nvls":
-      reason = nvls_refusal(mesh.devices.flat)
-      if reason:
-        raise ValueError(f"AllReduce: algorithm 'nvls' refused: {reason}")
-      raise ValueError("AllReduce: algorithm 'nvls' is allowed here, but this build has no "
-                       "multicast setup (only the kernels, cuda/all_reduce_nvls.cu)")
+      self._check_nvls_allowed(mesh, axis)
     self._ranks = None
     if native_ok and algorithm != "psum":
       from jax_moe.backends.cuda_ranks import CudaRanks, timeout_s
       wait_s = timeout_s()
-      create = lambda comm_id, ordinal, rank: native.load().cuda_create_all_reduce_rank(  # noqa: E731
-          comm_id, ordinal, rank, self.axis_size, self.max_bytes, wait_s)
+
+      def create(comm_id, ordinal, rank):
+        native.load().cuda_create_all_reduce_rank(comm_id, ordinal, rank, self.axis_size,
+                                                  self.max_bytes, wait_s)
+
       self._ranks = CudaRanks(mesh, axis, create, "AllReduce")
+    if algorithm == "nvls":
+      self._setup_nvls(mesh, axis)
+
+  def _check_nvls_allowed(self, mesh, axis: str) -> None:
+    """Raises unless the gate allows multicast on every device and each group is local."""
+    reason = nvls_refusal(mesh.devices.flat)
+    if reason:
+      raise ValueError(f"AllReduce: algorithm 'nvls' refused: {reason}")
+    if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+      raise ValueError("AllReduce: algorithm 'nvls' needs every rank of the mesh in this process "
+                       "(sharing a multicast object across processes is not built)")
+
+  def _setup_nvls(self, mesh, axis: str) -> None:
+    """One multicast object per group (ffi/cuda/multicast.cc; gated again there). Not yet run."""
+    from jax_moe.backends.cuda_ranks import rank_groups
+    try:
+      for group in rank_groups(mesh, axis):
+        native.load().cuda_setup_nvls(self._ranks.comm_id, [d.local_hardware_id for d in group])
+    except BaseException:
+      self.close()
+      raise
 
   @property
   def uses_kernels(self) -> bool:
@@ -152,6 +173,8 @@ class AllReduce:
 
   def close(self) -> None:
     if self._ranks is not None:
+      if self.algorithm == "nvls":
+        native.load().cuda_teardown_nvls(self._ranks.comm_id)
       self._ranks.close()
 
   def __enter__(self):

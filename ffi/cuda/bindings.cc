@@ -50,6 +50,11 @@ void bind_cuda(nb::module_& m) {
         "Allocates the buffers of one rank of an AllReduce on local device `ordinal`.");
   m.def("cuda_nvls_refusal", &nvls_refusal, nb::arg("ordinal"),
         "Why NVLS must not be used on device `ordinal`, or '' when it may (no multicast call).");
+  m.def("cuda_setup_nvls", &setup_nvls, nb::arg("comm_id"), nb::arg("ordinals"),
+        "Gate, then one multicast object over the AllReduce group on local devices `ordinals` "
+        "(rank order).");
+  m.def("cuda_teardown_nvls", &teardown_nvls, nb::arg("comm_id"),
+        "Releases the AllReduce's multicast objects, if any.");
   m.def(
       "cuda_ipc_handle",
       [](int64_t comm_id, int ordinal) {

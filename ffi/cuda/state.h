@@ -24,7 +24,7 @@ struct CudaRankState {
   // of it; nullptr unless NVLS was set up (never where multicast is refused).
   char* multicast = nullptr;
   char* multicast_local = nullptr;
-  char* buffer = nullptr;                 // this rank's buffer (buffer_layout or all_reduce), cudaMalloc
+  char* buffer = nullptr;                 // this rank's buffer (buffer_layout / all_reduce)
   DeviceCounters* counters = nullptr;     // device memory
   int32_t* expert_counts = nullptr;       // device scratch [R][L]
   int32_t* slot_rank = nullptr;           // device scratch [R][T][K]

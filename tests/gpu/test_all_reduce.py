@@ -212,16 +212,17 @@ def test_nvls_is_refused_for_each_switch_in_python_and_native(name, monkeypatch)
 
 
 def test_nvls_without_switches_asks_the_device_and_auto_never_picks_it(monkeypatch):
-    """With every switch unset the gate reads CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED only;
-    where the device refuses, AllReduce(algorithm='nvls') raises before any multicast call."""
+    """With every switch unset the gate reads CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED only.
+    Where the device refuses, AllReduce(algorithm='nvls') raises before any multicast call;
+    where it allows, this test builds nothing (no multicast object on shared machines)."""
     for name in NVLS_SWITCHES:
         monkeypatch.delenv(name, raising=False)
     mesh = make_mesh(1)
     reason = native.load().cuda_nvls_refusal(mesh.devices.flat[0].local_hardware_id)
     print(f"native NVLS gate without switches: {reason!r}")  # "" where multicast is allowed
-    assert isinstance(reason, str)
-    with pytest.raises(ValueError, match="algorithm 'nvls'"):
-        jm.AllReduce(mesh, AXIS, algorithm="nvls")
+    if reason:
+        with pytest.raises(ValueError, match=f"algorithm 'nvls' refused: {reason}"):
+            jm.AllReduce(mesh, AXIS, algorithm="nvls")
     with jm.AllReduce(mesh, AXIS) as ar:
         assert {ar.algorithm_for(n) for n in (16, 1 << 16, 1 << 20, 8 << 20)} <= {"one_shot",
                                                                                    "two_shot"}
