@@ -13,6 +13,7 @@ import jax_moe as jm
 from all_reduce_checks import (DTYPES, all_reduce_reference, assert_close_to_psum,
                                one_ulp, random_inputs)
 from jax_moe import all_reduce as ar_module
+from jax_moe import native
 from jax_moe.sharding import shard_map
 from meshes import make_mesh
 
@@ -153,3 +154,23 @@ def test_make_mesh_helper_mesh_works_with_all_reduce(rng):
     x_r = random_inputs(rng, 2, (5,), np.float32)
     got = run_all_reduce(ar, mesh, x_r)
     assert_close_to_psum(got[1], all_reduce_reference(x_r), x_r, "rank 1")
+
+
+needs_native_cuda = pytest.mark.skipif(not native.has_cuda(),
+                                       reason="jax_moe._native built without CUDA")
+
+
+@needs_native_cuda
+@pytest.mark.parametrize("name", sorted(NVLS_SWITCHES))
+def test_native_gate_and_setup_refuse_for_each_switch_without_a_device(name, monkeypatch):
+    """The C++ gate reads the switches before any CUDA call, so it answers here without a GPU,
+    and cuda_setup_nvls raises before its first driver call (no such rank state exists)."""
+    for other in NVLS_SWITCHES:
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, NVLS_SWITCHES[name])
+    expected = f"{name}={NVLS_SWITCHES[name]} is set"
+    module = native.load()
+    assert module.cuda_nvls_refusal(0) == expected
+    with pytest.raises(ValueError, match=f"refused: {expected}"):
+        module.cuda_setup_nvls(123456, [0])
+    module.cuda_teardown_nvls(123456)  # nothing was built: a no-op
