@@ -78,7 +78,8 @@ class AllReduce:
 
   Build it outside jit (it allocates and connects on GPUs). `max_bytes` bounds the messages
   that take the native kernels (larger ones use psum); each rank's buffer holds
-  2 * axis_size * max_bytes. `algorithm`: "auto" (by size: one-shot, two-shot, psum),
+  2 * axis_size * max_bytes. `algorithm`: "auto" (one-shot up to AUTO_ONE_SHOT_MAX_BYTES,
+  then two-shot),
   "one_shot", "two_shot", "nvls" (refused unless multicast is allowed, see nvls_refusal), or
   "psum". x may be float32, bfloat16 or float16 of any shape.
   """
@@ -104,7 +105,7 @@ class AllReduce:
       raise ValueError(f"AllReduce: algorithm {algorithm!r} needs GPUs and jax_moe._native built "
                        f"with CUDA; platform {platform!r}, native CUDA: {native.has_cuda()}")
     if algorithm == "nvls":
-      self._check_nvls_allowed(mesh, axis)
+      self._check_nvls_allowed(mesh)
     self._ranks = None
     if native_ok and algorithm != "psum":
       from jax_moe.backends.cuda_ranks import CudaRanks, timeout_s
@@ -118,8 +119,8 @@ class AllReduce:
     if algorithm == "nvls":
       self._setup_nvls(mesh, axis)
 
-  def _check_nvls_allowed(self, mesh, axis: str) -> None:
-    """Raises unless the gate allows multicast on every device and each group is local."""
+  def _check_nvls_allowed(self, mesh) -> None:
+    """Raises unless the gate allows multicast on every device and all of them are local."""
     reason = nvls_refusal(mesh.devices.flat)
     if reason:
       raise ValueError(f"AllReduce: algorithm 'nvls' refused: {reason}")
@@ -143,7 +144,8 @@ class AllReduce:
     return self._ranks is not None and bool(self._ranks.ordinals)
 
   def algorithm_for(self, nbytes: int) -> str:
-    """What a message of `nbytes` bytes per rank runs: 'one_shot', 'two_shot' or 'psum'."""
+    """What a message of `nbytes` bytes per rank runs: 'one_shot', 'two_shot', 'nvls' or
+    'psum'."""
     if not self.uses_kernels or nbytes == 0 or nbytes > self.max_bytes:
       return "psum"
     if self.algorithm == "auto":

@@ -2,6 +2,12 @@
 gate's pure-Python part. The GPU kernels: tests/gpu/test_all_reduce.py and
 tests/gpu/test_all_reduce_multiprocess.py."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,3 +180,24 @@ def test_native_gate_and_setup_refuse_for_each_switch_without_a_device(name, mon
     with pytest.raises(ValueError, match=f"refused: {expected}"):
         module.cuda_setup_nvls(123456, [0])
     module.cuda_teardown_nvls(123456)  # nothing was built: a no-op
+
+
+def test_bench_all_reduce_runs_on_cpu_and_writes_its_table(tmp_path):
+    """benchmarks/bench_all_reduce.py end to end on 2 host devices (psum only there); no
+    timing is asserted."""
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    args = ["--sizes", "4KiB,16KiB", "--iters", "3", "--short-iters", "1", "--reps", "1",
+            "--out", str(tmp_path)]
+    done = subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_all_reduce.py"),
+                           *args], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    payload = json.loads((tmp_path / "all_reduce_cpu-x2_bfloat16.json").read_text())
+    assert {(r["size_bytes"], r["method"], r["mode"]) for r in payload["results"]} == {
+        (size, method, mode) for size in (4096, 16384) for method in ("auto", "psum")
+        for mode in ("loop", "chain")}
+    assert all(r["status"] == "ok" and r["max_abs_diff_vs_psum"] == 0.0
+               for r in payload["results"])
+    assert [row["size_bytes"] for row in payload["crossovers"]["chain"]["table"]] == [4096, 16384]
+    assert (tmp_path / "all_reduce_cpu-x2_bfloat16.png").exists()
