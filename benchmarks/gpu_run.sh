@@ -9,7 +9,7 @@
 #   quant    tests/test_quantization.py on the GPU (quantize_fp8 must match the spec there)
 #   cmdbuf   tests/gpu/test_cuda_backend.py with XLA command buffers off, then forced on for custom calls
 #   bench    bench_dispatch_combine.py for the cuda backend at decode and prefill sizes
-#   allreduce  tests/gpu/test_all_reduce.py (1 and 2 GPUs in one process; the loop tests again
+#   allreduce  tests/gpu/test_all_reduce_gpu.py (1 and 2 GPUs in one process; the loop tests again
 #            with command buffers forced on for custom calls) and the 2-process job
 #   arbench  bench_all_reduce.py, bf16, 4 KiB..64 MiB, every method; GIT_COMMIT names the code
 #   arbench_cmdbuf  the same, chained calls only, with command buffers forced on for custom calls
@@ -67,9 +67,9 @@ for step in "${steps[@]}"; do
       cp /tmp/jax_moe_bench/*.json "$logs/" 2>/dev/null
       tail -30 "$logs/bench.log" ;;
     allreduce)
-      suite all_reduce_gpu 240 -rs tests/gpu/test_all_reduce.py
+      suite all_reduce_gpu 240 -rs tests/gpu/test_all_reduce_gpu.py
       XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
-        suite all_reduce_cmdbuf_forced 120 tests/gpu/test_all_reduce.py -k "loop or chained"
+        suite all_reduce_cmdbuf_forced 120 tests/gpu/test_all_reduce_gpu.py -k "loop or chained"
       suite all_reduce_mp 240 -rs tests/gpu/test_all_reduce_multiprocess.py ;;
     arbench)
       timeout -s KILL 300 python3 benchmarks/bench_all_reduce.py --git-commit "${GIT_COMMIT:-unknown}" \

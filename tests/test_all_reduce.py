@@ -1,5 +1,5 @@
 """AllReduce where it falls back to psum (CPU, or no native CUDA), argument checks and the NVLS
-gate's pure-Python part. The GPU kernels: tests/gpu/test_all_reduce.py and
+gate's pure-Python part. The GPU kernels: tests/gpu/test_all_reduce_gpu.py and
 tests/gpu/test_all_reduce_multiprocess.py."""
 
 import json
