@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_moe.models import yarn
+from jax_moe.models.layers import Linear, RMSNorm
+from jax_moe.models.sharding import ShardingRules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,27 +82,30 @@ def _masked_softmax(scores_bhts: jax.Array, visible_bts: jax.Array) -> jax.Array
 
 
 class MultiHeadLatentAttention(nnx.Module):
-  """Linear weights kept as nnx.Linear (kernel [in, out]), named as in Hugging Face."""
+  """Projections named as in Hugging Face (layers.Linear: w [in, out]); all replicated, since
+  attention runs data-parallel over the batch."""
 
-  def __init__(self, cfg: MLAConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs):
+  def __init__(self, cfg: MLAConfig, *, rules: ShardingRules, dtype: Any):
     self.cfg = cfg
     heads = cfg.num_heads
-    linear = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=dtype,
-                                           rngs=rngs)
-    norm = lambda n: nnx.RMSNorm(n, epsilon=cfg.rms_norm_eps, dtype=dtype, param_dtype=dtype,
-                                 rngs=rngs)
+    linear = lambda i, o, axes, bias: Linear(i, o, rules=rules, dtype=dtype, logical_axes=axes,
+                                             bias=bias)
     if cfg.q_lora_rank is None:
-      self.q_proj = linear(cfg.hidden_size, heads * cfg.qk_head_dim, False)
+      self.q_proj = linear(cfg.hidden_size, heads * cfg.qk_head_dim, ("embed", "heads"), False)
     else:
-      self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank, cfg.attention_bias)
-      self.q_a_layernorm = norm(cfg.q_lora_rank)
-      self.q_b_proj = linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, False)
+      self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank, ("embed", "q_lora"),
+                             cfg.attention_bias)
+      self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, rules=rules, dtype=dtype,
+                                   logical_axis="q_lora")
+      self.q_b_proj = linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, ("q_lora", "heads"), False)
     self.kv_a_proj_with_mqa = linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                                     cfg.attention_bias)
-    self.kv_a_layernorm = norm(cfg.kv_lora_rank)
+                                     ("embed", "kv_lora"), cfg.attention_bias)
+    self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, rules=rules, dtype=dtype,
+                                  logical_axis="kv_lora")
     self.kv_b_proj = linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                            False)
-    self.o_proj = linear(heads * cfg.v_head_dim, cfg.hidden_size, cfg.attention_bias)
+                            ("kv_lora", "heads"), False)
+    self.o_proj = linear(heads * cfg.v_head_dim, cfg.hidden_size, ("heads", "embed"),
+                         cfg.attention_bias)
 
   def _queries(self, x_btd, cos_btf, sin_btf):
     cfg = self.cfg
@@ -125,7 +130,7 @@ class MultiHeadLatentAttention(nnx.Module):
 
   def _kv_b_chx(self):
     cfg = self.cfg
-    return self.kv_b_proj.kernel[...].reshape(cfg.kv_lora_rank, cfg.num_heads,
+    return self.kv_b_proj.w[...].reshape(cfg.kv_lora_rank, cfg.num_heads,
                                               cfg.qk_nope_head_dim + cfg.v_head_dim)
 
   def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, cache: MLACache | None = None,

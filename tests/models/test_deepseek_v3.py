@@ -5,11 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import nnx
+from jax.sharding import Mesh
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 from jax_moe.models import mla, yarn
+from jax_moe.models.sharding import ShardingRules
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
@@ -97,9 +98,9 @@ def test_apply_rope_matches_transformers(rng, interleaved):
 # --- multi-head latent attention ---------------------------------------------------------
 
 def _load_linear(linear, hf_linear):
-  linear.kernel[...] = jnp.asarray(_np(hf_linear.weight).T)
+  linear.w.set_value(jnp.asarray(_np(hf_linear.weight).T))
   if hf_linear.bias is not None:
-    linear.bias[...] = jnp.asarray(_np(hf_linear.bias))
+    linear.b.set_value(jnp.asarray(_np(hf_linear.bias)))
 
 
 def _load_attention(ours, theirs):
@@ -107,7 +108,11 @@ def _load_attention(ours, theirs):
     if isinstance(module, torch.nn.Linear):
       _load_linear(getattr(ours, name), module)
     elif isinstance(module, hf.DeepseekV3RMSNorm):
-      getattr(ours, name).scale[...] = jnp.asarray(_np(module.weight))
+      getattr(ours, name).weight.set_value(jnp.asarray(_np(module.weight)))
+
+
+def _one_device_rules():
+  return ShardingRules(Mesh(np.array(jax.devices()[:1]), ("ep",)))
 
 
 def _random_attention(config, seed):
@@ -116,7 +121,8 @@ def _random_attention(config, seed):
   with torch.no_grad():
     for p in theirs.parameters():
       p.normal_(0, 0.3)
-  ours = mla.MultiHeadLatentAttention(mla.MLAConfig.from_hf(config.to_dict()), rngs=nnx.Rngs(0))
+  ours = mla.MultiHeadLatentAttention(mla.MLAConfig.from_hf(config.to_dict()), rules=_one_device_rules(),
+                                      dtype=jnp.float32)
   _load_attention(ours, theirs)
   return ours, theirs
 
