@@ -1,4 +1,5 @@
-"""The `jax-moe` command: `info` (what runs here) and `demo` (one MoE layer, checked).
+"""The `jax-moe` command: `info` (what runs here), `demo` (one MoE layer, checked) and
+`generate` (expert-parallel text generation with a Qwen3-MoE or DeepSeek-V3 model).
 
 `demo` runs dispatch -> grouped GEMM (jax.lax.ragged_dot) -> combine on every device of the
 default platform with every available backend and both combine modes, compares the output
@@ -27,9 +28,6 @@ def _simulate_cpu_devices(count: int = 8) -> None:
   flags = os.environ.get("XLA_FLAGS", "")
   if _CPU_DEVICES_FLAG not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} {_CPU_DEVICES_FLAG}={count}".strip()
-
-
-
 
 
 # ------------------------------------------------------------------------------------ info
@@ -171,6 +169,59 @@ def _demo(args) -> int:
   return 0
 
 
+# ------------------------------------------------------------------------------------ generate
+def _generate(args) -> int:
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax_moe import models
+
+  dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[args.dtype]
+  kwargs = dict(backend=args.backend, dtype=dtype, wire=args.wire)
+  start = time.perf_counter()
+  try:
+    if args.model in models.TINY_CONFIGS:
+      model = models.tiny(args.model, seed=args.seed, **kwargs)
+      source = f"{args.model} (embedded config, random weights, seed {args.seed})"
+    else:
+      model = models.from_pretrained(args.model, **kwargs)
+      source = args.model
+  except (models.CheckpointError, NotImplementedError, ValueError) as e:
+    print(f"jax-moe generate: error: {e}", file=sys.stderr)
+    return 2
+  jax.block_until_ready(nnx.state(model, nnx.Param))
+  print(f"model: {source}, {type(model).__name__}, built in {time.perf_counter() - start:.1f} s")
+  print(f"layout: {model.layout()}")
+  batch = args.batch or model.rules.axis_size
+  ids = jax.random.randint(jax.random.key(args.seed), (batch, args.prompt_len), 0,
+                           model.vocab_size, jnp.int32)
+  generator = models.Generator(model, batch, args.prompt_len, args.max_new_tokens,
+                               args.temperature, args.top_p)
+  key = jax.random.key(args.seed)
+  tokens = generator(ids, key)  # compiles prefill and the decode step
+  jax.block_until_ready(tokens)
+
+  start = time.perf_counter()
+  token_b, cache = generator.prefill(generator.state, ids, key)
+  jax.block_until_ready(token_b)
+  prefill_s = time.perf_counter() - start
+  steps = args.max_new_tokens - 1
+  start = time.perf_counter()
+  for _ in range(steps):
+    token_b, cache = generator.step(generator.state, token_b, cache, key)
+  jax.block_until_ready(token_b)
+  decode_s = time.perf_counter() - start
+  model.pool.check()
+  print(f"batch {batch}, prompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens "
+        f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}, top-p {args.top_p}'})")
+  print(f"prefill: {prefill_s * 1e3:.2f} ms ({batch * args.prompt_len / prefill_s:.0f} tokens/s)")
+  if steps:
+    print(f"decode: {decode_s / steps * 1e3:.2f} ms per step, {batch * steps / decode_s:.1f} "
+          f"tokens/s ({steps} steps x batch {batch})")
+  print(f"sequence 0: {tokens[0].tolist()}")
+  return 0
+
+
 # ------------------------------------------------------------------------------------ main
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jax-moe", description=__doc__.splitlines()[0])
@@ -189,13 +240,30 @@ def _parser() -> argparse.ArgumentParser:
   demo.add_argument("--warmup", type=int, default=2, help="untimed calls after compiling")
   demo.add_argument("--iters", type=int, default=5, help="timed calls")
   demo.add_argument("--seed", type=int, default=0, help="random inputs and expert weights")
+  generate = commands.add_parser(
+      "generate", help="expert-parallel generation: prefill latency, decode tokens/s, layout",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  generate.add_argument("--model", default="tiny-qwen3-moe",
+                        help="a Hugging Face model directory (config.json + safetensors), or "
+                             "tiny-qwen3-moe / tiny-deepseek-v3 (embedded config, random weights)")
+  generate.add_argument("--backend", default="auto", help="MoE exchange: auto, xla or cuda")
+  generate.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+  generate.add_argument("--wire", choices=("bf16", "fp8", "exact"), default=None,
+                        help="how MoE tokens travel (default: exact for f32, bf16 otherwise)")
+  generate.add_argument("--batch", type=int, default=0,
+                        help="sequences (default: one per device)")
+  generate.add_argument("--prompt-len", type=int, default=16, help="random prompt tokens")
+  generate.add_argument("--max-new-tokens", type=int, default=16)
+  generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+  generate.add_argument("--top-p", type=float, default=1.0)
+  generate.add_argument("--seed", type=int, default=0, help="weights, prompt and sampling")
   return parser
 
 
 def main(argv: list[str] | None = None) -> int:
   _simulate_cpu_devices()
   args = _parser().parse_args(argv)
-  return {"info": _info, "demo": _demo}[args.command](args)
+  return {"info": _info, "demo": _demo, "generate": _generate}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ bf16 and fp8 tensors are viewed with ml_dtypes; fp8 weights that come with a
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -183,8 +184,14 @@ def random_weights(model, seed: int = 0):
 
 
 def _random_array(key, abstract: jax.ShapeDtypeStruct, scale: float | None):
+  return _random_fn(abstract.shape, abstract.dtype, abstract.sharding, scale)(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _random_fn(shape, dtype, sharding, scale):
+  """One compiled draw per (shape, dtype, sharding, scale): layers share them."""
   def draw(key):
     if scale is None:
-      return jax.numpy.ones(abstract.shape, abstract.dtype)
-    return (jax.random.normal(key, abstract.shape, jax.numpy.float32) * scale).astype(abstract.dtype)
-  return jax.jit(draw, out_shardings=abstract.sharding)(key)
+      return jax.numpy.ones(shape, dtype)
+    return (jax.random.normal(key, shape, jax.numpy.float32) * scale).astype(dtype)
+  return jax.jit(draw, out_shardings=sharding)
