@@ -24,12 +24,14 @@ _SUPPORTED_ROPE_TYPES = ("default", "yarn")
 class RopeScaling:
   """The rotary settings of one model, normalised from either config.json spelling.
 
-  `inv_freq_f` has one entry per rotated pair (F = rope_dim // 2); `cos_sin_scale` multiplies
+  `inv_freq_f` has one f32 value per rotated pair (F = rope_dim // 2), kept as a tuple of
+  Python floats (exact for f32) so the settings hash: models keep them as static attributes.
+  `cos_sin_scale` multiplies
   cos and sin (YaRN's attention factor); `softmax_scale_factor` multiplies the usual
   1/sqrt(qk_head_dim) softmax scale (DeepSeek's mscale_all_dim correction, squared because
   it stands for scaling both q and k).
   """
-  inv_freq_f: np.ndarray
+  inv_freq_f: tuple[float, ...]
   cos_sin_scale: float
   softmax_scale_factor: float
   interleaved: bool
@@ -99,7 +101,7 @@ def rope_scaling_from_config(config: Mapping[str, Any]) -> RopeScaling:
     base = np.float32(params["rope_theta"])
     inv_freq_f = (np.float32(1.0) / base ** (np.arange(0, dim, 2, dtype=np.float32)
                                              / np.float32(dim))).astype(np.float32)
-    return RopeScaling(inv_freq_f, 1.0, 1.0, interleaved)
+    return RopeScaling(tuple(inv_freq_f.tolist()), 1.0, 1.0, interleaved)
 
   factor = params.get("factor")
   if factor is None:
@@ -113,13 +115,14 @@ def rope_scaling_from_config(config: Mapping[str, Any]) -> RopeScaling:
     else:
       cos_sin_scale = _mscale(factor)
   softmax_scale_factor = _mscale(factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
-  return RopeScaling(_yarn_inv_freq(params, dim, factor), float(cos_sin_scale),
+  return RopeScaling(tuple(_yarn_inv_freq(params, dim, factor).tolist()), float(cos_sin_scale),
                      float(softmax_scale_factor), interleaved)
 
 
 def rope_cos_sin(positions_bt: jax.Array, rope: RopeScaling) -> tuple[jax.Array, jax.Array]:
   """cos and sin [B, T, F] in f32 for integer positions [B, T]."""
-  angles_btf = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(rope.inv_freq_f)
+  inv_freq_f = jnp.asarray(rope.inv_freq_f, jnp.float32)
+  angles_btf = positions_bt.astype(jnp.float32)[..., None] * inv_freq_f
   return jnp.cos(angles_btf) * rope.cos_sin_scale, jnp.sin(angles_btf) * rope.cos_sin_scale
 
 

@@ -9,7 +9,10 @@ from jax.sharding import Mesh
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-from jax_moe.models import mla, yarn
+import hf_tiny
+from jax_moe import models
+from jax_moe.models import deepseek_v3, mla, yarn
+from jax_moe.models.checkpoint import CheckpointError
 from jax_moe.models.sharding import ShardingRules
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -54,6 +57,7 @@ def test_rope_frequencies_and_scales_match_transformers(rope):
   rotary = hf.DeepseekV3RotaryEmbedding(config)
   ours = yarn.rope_scaling_from_config(config.to_dict())
   np.testing.assert_allclose(ours.inv_freq_f, _np(rotary.inv_freq), rtol=1e-6)
+  assert hash(ours) is not None  # models keep it as a static attribute
   assert ours.cos_sin_scale == pytest.approx(rotary.attention_scaling, rel=1e-12)
   attention = hf.DeepseekV3Attention(config, layer_idx=0)
   assert ours.softmax_scale_factor * config.qk_head_dim ** -0.5 == pytest.approx(
@@ -184,3 +188,139 @@ def test_mla_cache_needs_length():
   cache = mla.init_mla_cache(ours.cfg, 1, 4, jnp.float32)
   with pytest.raises(ValueError, match="cache_length is required"):
     ours(jnp.zeros((1, 1, config.hidden_size)), jnp.zeros((1, 1), jnp.int32), cache)
+
+
+# --- routing -----------------------------------------------------------------------------
+
+ROUTING_CASES = {
+    "groups2_top1group_norm": dict(n_group=2, topk_group=1, num_experts_per_tok=2),
+    "groups4_top2groups_k3_nonorm": dict(n_group=4, topk_group=2, num_experts_per_tok=3,
+                                         norm_topk_prob=False, routed_scaling_factor=1.7),
+    "one_group_k4": dict(n_group=1, topk_group=1, num_experts_per_tok=4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROUTING_CASES))
+def test_routing_matches_transformers(rng, case):
+  config = tiny_config(n_routed_experts=16, **ROUTING_CASES[case])
+  router = hf.DeepseekV3TopkRouter(config)
+  with torch.no_grad():
+    router.weight.normal_(0, 0.5)
+    router.e_score_correction_bias.normal_(0, 0.3)
+  x = rng.normal(size=(40, config.hidden_size)).astype(np.float32)
+  with torch.no_grad():
+    _, want_w, want_ids = router(torch.from_numpy(x))
+  routing = deepseek_v3.DeepseekV3Config.from_hf(config.to_dict()).routing
+  ids, weights = deepseek_v3.route(jnp.asarray(x) @ jnp.asarray(_np(router.weight).T),
+                                   jnp.asarray(_np(router.e_score_correction_bias)), routing)
+  # Both top-ks are unsorted: compare per token in expert order.
+  order, want_order = np.argsort(ids, axis=1), np.argsort(_np(want_ids), axis=1)
+  np.testing.assert_array_equal(np.take_along_axis(np.asarray(ids), order, 1),
+                                np.take_along_axis(_np(want_ids), want_order, 1))
+  _close(np.take_along_axis(np.asarray(weights), order, 1),
+         np.take_along_axis(_np(want_w), want_order, 1), 1e-6)
+
+
+def test_routing_bias_selects_but_does_not_weigh():
+  """A large bias on one expert makes every token pick it, with its unbiased score."""
+  routing = deepseek_v3.RoutingConfig(num_experts=4, top_k=1, n_group=1, topk_group=1,
+                                      norm_topk_prob=False, routed_scaling_factor=1.0)
+  logits = jnp.array([[2.0, 0.0, -1.0, 1.0]])
+  ids, weights = deepseek_v3.route(logits, jnp.array([0.0, 0.0, 5.0, 0.0]), routing)
+  assert int(ids[0, 0]) == 2
+  assert float(weights[0, 0]) == pytest.approx(1 / (1 + np.exp(1.0)))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(n_routed_experts=8, n_group=3), "must divide into n_group"),
+    (dict(n_routed_experts=8, n_group=8, topk_group=1), "at least 2 experts"),
+    (dict(n_group=2, topk_group=3), "topk_group must be in"),
+    (dict(n_group=2, topk_group=1, num_experts_per_tok=5), "num_experts_per_tok must be in"),
+])
+def test_bad_routing_config_is_refused(overrides, message):
+  config = tiny_config().to_dict()
+  config.update(overrides)
+  with pytest.raises(CheckpointError, match=message):
+    deepseek_v3.DeepseekV3Config.from_hf(config)
+
+
+# --- the whole model, loaded from a transformers checkpoint ------------------------------
+
+MODEL_CASES = {
+    # DeepSeek-V3's shape: q LoRA, one dense layer first, normalised top-k, YaRN, 2 groups.
+    "qlora_dense1_norm_yarn_groups2": dict(),
+    "noqlora_moe_only_nonorm_default_rope_bias": dict(
+        q_lora_rank=None, first_k_dense_replace=0, norm_topk_prob=False, n_group=1,
+        topk_group=1, rope_parameters=dict(DEFAULT_ROPE), attention_bias=True,
+        routed_scaling_factor=1.0),
+    "groups4_topk_group2_k3_halfsplit_tied_2shared": dict(
+        n_group=4, topk_group=2, num_experts_per_tok=3, rope_interleave=False,
+        tie_word_embeddings=True, n_shared_experts=2, num_hidden_layers=3),
+}
+
+
+def _save_deepseek(directory, seed, **overrides):
+  """A tiny transformers DeepSeek-V3 saved as safetensors, with a random selection bias
+  (a buffer, so save_tiny's re-draw of the parameters leaves it at zero)."""
+  model, path = hf_tiny.save_tiny(tiny_config(**overrides), directory, seed=seed)
+  with torch.no_grad():
+    for layer in model.model.layers:
+      if isinstance(layer.mlp, hf.DeepseekV3MoE):
+        layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
+  model.save_pretrained(path)
+  return model, path
+
+
+def _one_device_mesh():
+  return Mesh(np.array(jax.devices()[:1]), ("ep",))
+
+
+def _load(path, mesh):
+  return models.from_pretrained(path, mesh=mesh, backend="xla", dtype=jnp.float32, progress=False)
+
+
+@pytest.fixture(scope="module", params=sorted(MODEL_CASES))
+def saved_model(request, tmp_path_factory):
+  case = request.param
+  model, path = _save_deepseek(tmp_path_factory.mktemp(case), seed=len(case),
+                               **MODEL_CASES[case])
+  return case, model, path
+
+
+def test_logits_match_transformers(saved_model, rng):
+  case, hf_model, path = saved_model
+  ids = hf_tiny.random_ids(rng, batch=2, seq=9, vocab=hf_model.config.vocab_size)
+  want = hf_tiny.hf_logits(hf_model, ids)
+  got = _load(path, _one_device_mesh())(jnp.asarray(ids))
+  err = _close(got, want)
+  print(f"{case}: max |logits - transformers| / max |transformers| = {err:.2e}")
+
+
+def test_expert_parallel_8_devices_equals_1(saved_model, rng):
+  _, hf_model, path = saved_model
+  ids = hf_tiny.random_ids(rng, batch=2, seq=5, vocab=hf_model.config.vocab_size)
+  one = _load(path, _one_device_mesh())(jnp.asarray(ids))
+  eight = _load(path, Mesh(np.array(jax.devices()[:8]), ("ep",)))(jnp.asarray(ids))
+  _close(eight, one, 1e-6)
+
+
+def test_cached_decode_and_greedy_generate_match_transformers(saved_model, rng):
+  """generate's tokens are transformers' greedy tokens, and the logits of each cached step
+  (prefill, then one token at a time) are transformers' logits of that step."""
+  case, hf_model, path = saved_model
+  prompt, new = 6, 5
+  ids = hf_tiny.random_ids(rng, batch=2, seq=prompt, vocab=hf_model.config.vocab_size)
+  want_tokens, want_logits = hf_tiny.hf_greedy(hf_model, ids, max_new_tokens=new)
+  model = _load(path, _one_device_mesh())
+  np.testing.assert_array_equal(np.asarray(models.generate(model, ids, max_new_tokens=new)),
+                                want_tokens)
+  cache = model.init_cache(2, prompt + new)
+  logits, cache = model(jnp.asarray(ids), cache=cache)
+  got_logits = [logits[:, -1]]
+  for step in range(new - 1):
+    logits, cache = model(jnp.asarray(want_tokens[:, prompt + step:prompt + step + 1]),
+                          cache=cache)
+    got_logits.append(logits[:, -1])
+  assert int(cache.index) == prompt + new - 1
+  err = _close(jnp.stack(got_logits), want_logits)
+  print(f"{case}: cached decode max error {err:.2e}")
