@@ -1,11 +1,16 @@
 """DeepSeek-V3 in Flax NNX against transformers' own modules (fp32, CPU, tiny configs)."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import transformers
+from flax import nnx
 from jax.sharding import Mesh
+from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
@@ -279,48 +284,134 @@ def _load(path, mesh):
   return models.from_pretrained(path, mesh=mesh, backend="xla", dtype=jnp.float32, progress=False)
 
 
-@pytest.fixture(scope="module", params=sorted(MODEL_CASES))
-def saved_model(request, tmp_path_factory):
-  case = request.param
-  model, path = _save_deepseek(tmp_path_factory.mktemp(case), seed=len(case),
-                               **MODEL_CASES[case])
-  return case, model, path
+@nnx.jit
+def _jit_call(model, ids_bs, cache):
+  return model(ids_bs, cache=cache)
 
 
-def test_logits_match_transformers(saved_model, rng):
-  case, hf_model, path = saved_model
+def _forward(model, ids_bs, cache=None):
+  """model(ids, cache=cache) compiled: op-by-op dispatch of the MoE exchange's shard_map
+  costs tens of seconds per call on CPU, one compile a few."""
+  model.prepare(*ids_bs.shape)
+  return _jit_call(model, jnp.asarray(ids_bs), cache)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """case -> (transformers model, checkpoint dir), each saved once per module."""
+  done = {}
+
+  def get(case):
+    if case not in done:
+      done[case] = _save_deepseek(tmp_path_factory.mktemp(case), seed=len(case),
+                                  **MODEL_CASES[case])
+    return done[case]
+  return get
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_CASES))
+def test_logits_match_transformers(saved, rng, case):
+  hf_model, path = saved(case)
   ids = hf_tiny.random_ids(rng, batch=2, seq=9, vocab=hf_model.config.vocab_size)
   want = hf_tiny.hf_logits(hf_model, ids)
-  got = _load(path, _one_device_mesh())(jnp.asarray(ids))
+  got = _forward(_load(path, _one_device_mesh()), ids)
   err = _close(got, want)
   print(f"{case}: max |logits - transformers| / max |transformers| = {err:.2e}")
 
 
-def test_expert_parallel_8_devices_equals_1(saved_model, rng):
-  _, hf_model, path = saved_model
+def test_expert_parallel_8_devices_equals_1(saved, rng):
+  hf_model, path = saved("qlora_dense1_norm_yarn_groups2")
   ids = hf_tiny.random_ids(rng, batch=2, seq=5, vocab=hf_model.config.vocab_size)
-  one = _load(path, _one_device_mesh())(jnp.asarray(ids))
-  eight = _load(path, Mesh(np.array(jax.devices()[:8]), ("ep",)))(jnp.asarray(ids))
-  _close(eight, one, 1e-6)
+  one = _forward(_load(path, _one_device_mesh()), ids)
+  eight = _forward(_load(path, Mesh(np.array(jax.devices()[:8]), ("ep",))), ids)
+  err = _close(eight, one, 1e-6)
+  print(f"EP8 vs 1 device: {err:.2e}")
 
 
-def test_cached_decode_and_greedy_generate_match_transformers(saved_model, rng):
+@pytest.mark.parametrize("case", ["qlora_dense1_norm_yarn_groups2",
+                                  "groups4_topk_group2_k3_halfsplit_tied_2shared"])
+def test_cached_decode_and_greedy_generate_match_transformers(saved, rng, case):
   """generate's tokens are transformers' greedy tokens, and the logits of each cached step
   (prefill, then one token at a time) are transformers' logits of that step."""
-  case, hf_model, path = saved_model
+  hf_model, path = saved(case)
   prompt, new = 6, 5
-  ids = hf_tiny.random_ids(rng, batch=2, seq=prompt, vocab=hf_model.config.vocab_size)
+  # No token 0 in the prompt: hf_greedy names 0 the pad token, and transformers' generate
+  # then masks those positions out of attention.
+  ids = 1 + hf_tiny.random_ids(rng, batch=2, seq=prompt, vocab=hf_model.config.vocab_size - 1)
   want_tokens, want_logits = hf_tiny.hf_greedy(hf_model, ids, max_new_tokens=new)
   model = _load(path, _one_device_mesh())
   np.testing.assert_array_equal(np.asarray(models.generate(model, ids, max_new_tokens=new)),
                                 want_tokens)
   cache = model.init_cache(2, prompt + new)
-  logits, cache = model(jnp.asarray(ids), cache=cache)
+  logits, cache = _forward(model, ids, cache)
   got_logits = [logits[:, -1]]
   for step in range(new - 1):
-    logits, cache = model(jnp.asarray(want_tokens[:, prompt + step:prompt + step + 1]),
-                          cache=cache)
+    logits, cache = _forward(model, want_tokens[:, prompt + step:prompt + step + 1], cache)
     got_logits.append(logits[:, -1])
   assert int(cache.index) == prompt + new - 1
   err = _close(jnp.stack(got_logits), want_logits)
   print(f"{case}: cached decode max error {err:.2e}")
+
+
+# --- fp8 checkpoint ----------------------------------------------------------------------
+
+FP8_BLOCK = (16, 16)  # small blocks so the tiny dims (24, 56, ...) end in partial blocks
+
+
+def _quantize_block_fp8(w_oi, block):
+  """DeepSeek's format from a torch f32 weight: (e4m3 codes, scale_inv [ceil(O/bo), ceil(I/bi)])."""
+  rows, cols = w_oi.shape
+  bo, bi = block
+  padded = torch.nn.functional.pad(w_oi, (0, -cols % bi, 0, -rows % bo))
+  blocks = padded.reshape(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi)
+  scale_inv = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+  scale_oi = scale_inv.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:rows, :cols]
+  codes = (w_oi / scale_oi).to(torch.float8_e4m3fn)
+  return codes, scale_inv, codes.float() * scale_oi
+
+
+def _is_quantized_in_deepseek(name, tensor):
+  # DeepSeek-V3 keeps embeddings, the output head, norms and the router in high precision.
+  return (tensor.ndim == 2 and name.endswith("proj.weight") and "embed" not in name
+          and "lm_head" not in name)
+
+
+def test_fp8_checkpoint_loads_like_its_dequantized_weights(saved, tmp_path, rng):
+  """An fp8 checkpoint (codes + weight_scale_inv, partial edge blocks, an MTP layer that must
+  be skipped) gives the logits of an f32 checkpoint of its dequantized weights, and those
+  are transformers' logits for the same weights."""
+  hf_model, path = saved("qlora_dense1_norm_yarn_groups2")
+  tensors = load_file(f"{path}/model.safetensors")
+  fp8, dequantized = {}, {}
+  for name, w in tensors.items():
+    if _is_quantized_in_deepseek(name, w):
+      fp8[name], fp8[name + "_scale_inv"], dequantized[name] = _quantize_block_fp8(w, FP8_BLOCK)
+    else:
+      fp8[name] = dequantized[name] = w
+  # A multi-token-prediction layer after the last decoder layer, as DeepSeek ships it.
+  mtp = f"model.layers.{hf_model.config.num_hidden_layers}"
+  fp8[f"{mtp}.eh_proj.weight"], fp8[f"{mtp}.eh_proj.weight_scale_inv"], _ = _quantize_block_fp8(
+      torch.randn(32, 64), FP8_BLOCK)
+  fp8[f"{mtp}.enorm.weight"] = torch.ones(32)
+  config = json.load(open(f"{path}/config.json"))
+  fp8_dir, f32_dir = tmp_path / "fp8", tmp_path / "dequantized"
+  for directory, state, extra in (
+      (fp8_dir, fp8, {"num_nextn_predict_layers": 1,
+                      "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                              "activation_scheme": "dynamic",
+                                              "weight_block_size": list(FP8_BLOCK)}}),
+      (f32_dir, dequantized, {})):
+    directory.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    json.dump(dict(config, **extra), open(directory / "config.json", "w"))
+
+  ids = hf_tiny.random_ids(rng, batch=2, seq=7, vocab=hf_model.config.vocab_size)
+  from_fp8 = _forward(_load(str(fp8_dir), _one_device_mesh()), ids)
+  from_f32 = _forward(_load(str(f32_dir), _one_device_mesh()), ids)
+  np.testing.assert_array_equal(np.asarray(from_fp8), np.asarray(from_f32))
+  reference = transformers.AutoModelForCausalLM.from_pretrained(str(f32_dir), dtype=torch.float32)
+  err = _close(from_fp8, hf_tiny.hf_logits(reference.eval(), ids))
+  print(f"fp8 checkpoint vs transformers on its dequantized weights: {err:.2e}")
+  # The quantization really changed the weights: the original model's logits differ.
+  assert not np.allclose(np.asarray(from_fp8), hf_tiny.hf_logits(hf_model, ids), atol=1e-3)
