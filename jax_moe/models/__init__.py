@@ -2,7 +2,8 @@
 
     from jax_moe import models
     model = models.from_pretrained(path, mesh=None, backend="auto", dtype=jnp.bfloat16)
-    logits = model(input_ids)                                   # [B, S, V] f32
+    logits = model(input_ids)                                   # [B, S, V] f32, eager
+    logits = models.forward(model, input_ids)                   # the same, jit-compiled
     tokens = models.generate(model, input_ids, max_new_tokens=32)
 
 `mesh=None` puts all local devices on one expert-parallel axis "ep": attention is
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 from jax_moe.models import loader
 from jax_moe.models.base import MODEL_TYPES, Cache, CausalLM, model_class
 from jax_moe.models.checkpoint import CheckpointError
-from jax_moe.models.generation import Generator, generate
+from jax_moe.models.generation import Generator, forward, generate
 from jax_moe.models.sharding import DEFAULT_AXIS, ShardingRules, default_mesh
 from jax_moe.models.tiny import TINY_CONFIGS
 
@@ -55,5 +56,5 @@ def tiny(name: str, **kwargs):
 
 
 __all__ = ["MODEL_TYPES", "TINY_CONFIGS", "Cache", "CausalLM", "CheckpointError", "Generator",
-           "ShardingRules", "default_mesh", "from_config", "from_pretrained", "generate",
+           "ShardingRules", "default_mesh", "forward", "from_config", "from_pretrained", "generate",
            "model_class", "tiny"]

@@ -15,6 +15,20 @@ import numpy as np
 from flax import nnx
 
 
+def forward(model, input_ids_bs, cache=None):
+  """model(input_ids, cache=cache), jit-compiled: one compile per model and shape instead of
+  op-by-op dispatch. Builds the communicators the call needs first (outside jit)."""
+  model.prepare(*input_ids_bs.shape)
+  graphdef, state = nnx.split(model)
+  return _forward(graphdef, state, jnp.asarray(input_ids_bs, jnp.int32), cache)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, input_ids_bs, cache):
+  model = nnx.merge(graphdef, state)
+  return model(input_ids_bs) if cache is None else model(input_ids_bs, cache=cache)
+
+
 def sample(logits_bv, key, temperature: float, top_p: float):
   """Next token [B] int32 from the last-position logits [B, V]."""
   if temperature == 0.0:
