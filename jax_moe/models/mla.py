@@ -6,11 +6,13 @@ k_h = [c W_uk_h, k_r] and v_h = c W_uv_h (W_uk, W_uv: the two parts of kv_b_proj
 
 The cache holds c and the rotated k_r (C + R numbers per token; 576 for DeepSeek-V3
 against 2 * 128 heads * 192 = 49152 for expanded keys and values), which is what makes
-long-context decode fit. Attention over the cache never expands it: the key projection is
-absorbed into the query (q_h . c W_uk_h = (q_h W_uk_h^T) . c) and the value projection is
-applied after the weighted sum over positions (sum_s p_s c_s W_uv_h), so a decode step
-costs O(S * H * (C + R)) instead of re-expanding every cached token. The cache-free full
-forward expands k and v once instead, which is cheaper when queries are as many as keys.
+long-context decode fit. Attention over latents runs one of two ways, picked per call from
+the static shapes by counting multiply-adds (`uses_absorbed`):
+  absorbed: the key projection moves into the query (q_h . c W_uk_h = (q_h W_uk_h^T) . c)
+    and the value projection after the weighted sum (sum_s p_s c_s W_uv_h), so nothing is
+    expanded per key: a decode step costs O(S * H * (2C + R)).
+  expanded: k and v are computed for every key once, O(S * H * C * (N + V)), and attention
+    costs O(T * S * H * (N + R + V)): cheaper when many queries share the keys (prefill).
 
 Names: B batch, T query tokens, S key positions, D hidden, H heads, N qk_nope_head_dim,
 R qk_rope_head_dim, V v_head_dim, C kv_lora_rank, Q q_lora_rank.
@@ -131,7 +133,22 @@ class MultiHeadLatentAttention(nnx.Module):
   def _kv_b_chx(self):
     cfg = self.cfg
     return self.kv_b_proj.w[...].reshape(cfg.kv_lora_rank, cfg.num_heads,
-                                              cfg.qk_nope_head_dim + cfg.v_head_dim)
+                                         cfg.qk_nope_head_dim + cfg.v_head_dim)
+
+  def uses_absorbed(self, num_queries: int, num_keys: int) -> bool:
+    """Whether T queries over S keys take fewer multiply-adds absorbed than expanded.
+
+    Absorbed: T*H*C*N (queries into latent space) + 2*T*S*H*C (scores, weighted latent sum)
+    + T*H*C*V (values out). Expanded: S*H*C*(N+V) (keys and values) + T*S*H*(N+V).
+    The rotary scores (T*S*H*R) are the same both ways. Without a cache (S = T) that is
+    absorbed iff 2C < N + V, never for DeepSeek; one decode step (T = 1) is absorbed.
+    """
+    cfg = self.cfg
+    C, N, V = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
+    T, S = num_queries, num_keys
+    absorbed = T * C * (N + V) + T * S * 2 * C
+    expanded = S * C * (N + V) + T * S * (N + V)
+    return absorbed < expanded
 
   def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, cache: MLACache | None = None,
                cache_length: jax.Array | None = None) -> tuple[jax.Array, MLACache | None]:
@@ -150,31 +167,36 @@ class MultiHeadLatentAttention(nnx.Module):
     w_uk_chn, w_uv_chv = kv_b_chx[..., :cfg.qk_nope_head_dim], kv_b_chx[..., cfg.qk_nope_head_dim:]
 
     if cache is None:
-      k_nope_bshn = jnp.einsum("bsc,chn->bshn", latent_btc, w_uk_chn)
-      v_bshv = jnp.einsum("bsc,chv->bshv", latent_btc, w_uv_chv)
-      scores_bhts = (jnp.einsum("bthn,bshn->bhts", q_nope_bthn, k_nope_bshn)
-                     + jnp.einsum("bthr,bsr->bhts", q_rope_bthr, k_rope_btr))
+      keys_latent_bsc, keys_rope_bsr = latent_btc, k_rope_btr
       visible_bts = positions_bt[:, None, :] <= positions_bt[:, :, None]
-      probs_bhts = _masked_softmax(scores_bhts * cfg.softmax_scale, visible_bts)
-      out_bthv = jnp.einsum("bhts,bshv->bthv", probs_bhts.astype(v_bshv.dtype), v_bshv)
     else:
       if cache_length is None:
         raise ValueError("MultiHeadLatentAttention: cache_length is required with a cache")
+      if x_btd.shape[1] > cache.latent_bsc.shape[1]:
+        raise ValueError(f"MultiHeadLatentAttention: {x_btd.shape[1]} new tokens do not fit a "
+                         f"cache of {cache.latent_bsc.shape[1]} positions")
       start = (0, cache_length, 0)
       cache = MLACache(
           jax.lax.dynamic_update_slice(cache.latent_bsc, latent_btc.astype(cache.latent_bsc.dtype),
                                        start),
           jax.lax.dynamic_update_slice(cache.k_rope_bsr, k_rope_btr.astype(cache.k_rope_bsr.dtype),
                                        start))
-      # W_uk absorbed into the query: scores against the latents themselves.
-      q_latent_bthc = jnp.einsum("bthn,chn->bthc", q_nope_bthn, w_uk_chn)
-      scores_bhts = (jnp.einsum("bthc,bsc->bhts", q_latent_bthc, cache.latent_bsc)
-                     + jnp.einsum("bthr,bsr->bhts", q_rope_bthr, cache.k_rope_bsr))
-      rows_s = jnp.arange(cache.latent_bsc.shape[1])
+      keys_latent_bsc, keys_rope_bsr = cache
+      rows_s = jnp.arange(keys_latent_bsc.shape[1])
       query_rows_bt = cache_length + jnp.arange(x_btd.shape[1])[None, :]
       visible_bts = rows_s[None, None, :] <= query_rows_bt[:, :, None]
+    scores_bhts = jnp.einsum("bthr,bsr->bhts", q_rope_bthr, keys_rope_bsr)
+    if self.uses_absorbed(x_btd.shape[1], keys_latent_bsc.shape[1]):
+      q_latent_bthc = jnp.einsum("bthn,chn->bthc", q_nope_bthn, w_uk_chn)
+      scores_bhts += jnp.einsum("bthc,bsc->bhts", q_latent_bthc, keys_latent_bsc)
       probs_bhts = _masked_softmax(scores_bhts * cfg.softmax_scale, visible_bts)
-      out_bthc = jnp.einsum("bhts,bsc->bthc", probs_bhts.astype(cache.latent_bsc.dtype),
-                            cache.latent_bsc)
+      out_bthc = jnp.einsum("bhts,bsc->bthc", probs_bhts.astype(keys_latent_bsc.dtype),
+                            keys_latent_bsc)
       out_bthv = jnp.einsum("bthc,chv->bthv", out_bthc, w_uv_chv)
+    else:
+      k_nope_bshn = jnp.einsum("bsc,chn->bshn", keys_latent_bsc, w_uk_chn)
+      v_bshv = jnp.einsum("bsc,chv->bshv", keys_latent_bsc, w_uv_chv)
+      scores_bhts += jnp.einsum("bthn,bshn->bhts", q_nope_bthn, k_nope_bshn)
+      probs_bhts = _masked_softmax(scores_bhts * cfg.softmax_scale, visible_bts)
+      out_bthv = jnp.einsum("bhts,bshv->bthv", probs_bhts.astype(v_bshv.dtype), v_bshv)
     return self.o_proj(out_bthv.reshape(*x_btd.shape[:2], -1)), cache

@@ -165,17 +165,20 @@ def test_mla_full_forward_matches_transformers(rng, case):
   _close(got, want)
 
 
+@pytest.mark.parametrize("prefill", [3, 20])
 @pytest.mark.parametrize("case", sorted(MLA_CASES))
-def test_mla_cached_steps_equal_full_forward(rng, case):
-  """Prefill then one-token steps through the absorbed cache path give the full forward's
-  outputs, token by token."""
+def test_mla_cached_steps_equal_full_forward(rng, case, prefill):
+  """Prefill then one-token steps through the cache give transformers' full-forward outputs,
+  token by token. A 3-token prefill attends absorbed, a 20-token one expanded; steps absorbed."""
   config = tiny_config(**MLA_CASES[case])
   ours, theirs = _random_attention(config, seed=len(case) + 1)
-  b, t, prefill = 2, 7, 3
+  b, t, max_len = 2, prefill + 3, prefill + 5
+  assert ours.uses_absorbed(prefill, max_len) == (prefill == 3)
+  assert ours.uses_absorbed(1, max_len) and not ours.uses_absorbed(t, t)
   x = rng.normal(size=(b, t, config.hidden_size)).astype(np.float32)
   positions = np.tile(np.arange(t), (b, 1))
   want = _hf_attention(theirs, config, x, positions)
-  cache = mla.init_mla_cache(ours.cfg, b, max_len=10, dtype=jnp.float32)
+  cache = mla.init_mla_cache(ours.cfg, b, max_len, dtype=jnp.float32)
   steps = [(0, prefill)] + [(s, s + 1) for s in range(prefill, t)]
   got = []
   for start, stop in steps:
@@ -187,12 +190,14 @@ def test_mla_cached_steps_equal_full_forward(rng, case):
   assert not np.any(np.asarray(cache.latent_bsc[:, t:]))
 
 
-def test_mla_cache_needs_length():
+def test_mla_cache_bad_input_is_refused():
   config = tiny_config()
   ours, _ = _random_attention(config, seed=0)
   cache = mla.init_mla_cache(ours.cfg, 1, 4, jnp.float32)
   with pytest.raises(ValueError, match="cache_length is required"):
     ours(jnp.zeros((1, 1, config.hidden_size)), jnp.zeros((1, 1), jnp.int32), cache)
+  with pytest.raises(ValueError, match="5 new tokens do not fit a cache of 4 positions"):
+    ours(jnp.zeros((1, 5, config.hidden_size)), jnp.zeros((1, 5), jnp.int32), cache, 0)
 
 
 # --- routing -----------------------------------------------------------------------------
