@@ -26,12 +26,13 @@ def qwen3_moe_kwargs(**overrides) -> dict:
 
 
 def save_tiny(config, directory, seed: int = 0, fused_experts: bool = False,
-              init_std: float | None = 0.1):
+              init_std: float | None = 0.1, max_shard_size: str | None = None):
   """Builds AutoModelForCausalLM.from_config(config) in fp32 and saves it to `directory`.
 
   init_std: re-draws every weight matrix from N(0, init_std^2) (norm weights around 1) so
   the tiny model has routing and logits spread out enough to compare (HF's 0.02 init gives
-  near-uniform router probabilities, i.e. near-ties in the top-k).
+  near-uniform router probabilities, i.e. near-ties in the top-k). max_shard_size (e.g.
+  "20KB") splits the checkpoint into shards with a model.safetensors.index.json.
   """
   torch.manual_seed(seed)
   model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -42,7 +43,8 @@ def save_tiny(config, directory, seed: int = 0, fused_experts: bool = False,
           p.copy_(1.0 + 0.1 * torch.randn_like(p))
         else:
           p.normal_(0.0, init_std)
-  model.save_pretrained(str(directory), save_original_format=not fused_experts)
+  extra = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+  model.save_pretrained(str(directory), save_original_format=not fused_experts, **extra)
   return model, str(directory)
 
 
