@@ -28,7 +28,8 @@ def block_size_from_config(config: Mapping[str, Any]) -> tuple[int, int] | None:
                      f"got {quant.get('quant_method')!r}")
   block = quant.get("weight_block_size", DEFAULT_BLOCK)
   if len(block) != 2 or min(block) < 1:
-    raise ValueError(f"quantization_config.weight_block_size must be two positive ints, got {block}")
+    raise ValueError("quantization_config.weight_block_size must be two positive ints, "
+                     f"got {block}")
   return int(block[0]), int(block[1])
 
 

@@ -129,8 +129,8 @@ def _random_attention(config, seed):
   with torch.no_grad():
     for p in theirs.parameters():
       p.normal_(0, 0.3)
-  ours = mla.MultiHeadLatentAttention(mla.MLAConfig.from_hf(config.to_dict()), rules=_one_device_rules(),
-                                      dtype=jnp.float32)
+  ours = mla.MultiHeadLatentAttention(mla.MLAConfig.from_hf(config.to_dict()),
+                                      rules=_one_device_rules(), dtype=jnp.float32)
   _load_attention(ours, theirs)
   return ours, theirs
 
