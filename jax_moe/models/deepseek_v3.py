@@ -71,8 +71,13 @@ class DeepseekV3Config:
         raise CheckpointError(f"deepseek_v3 config.json has no {key!r}")
       return config[key]
 
-    if config.get("hidden_act", "silu") != "silu":
-      raise NotImplementedError(f"deepseek_v3: hidden_act {config['hidden_act']!r} (silu only)")
+    # What DeepSeek-V3's own config.json states about its MoE; other values mean another
+    # model (DeepSeek-V2's softmax greedy routing, MoE on every k-th layer) built otherwise.
+    for key, supported in (("hidden_act", "silu"), ("scoring_func", "sigmoid"),
+                           ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+      if config.get(key, supported) != supported:
+        raise NotImplementedError(f"deepseek_v3: {key}={config[key]!r} is not supported "
+                                  f"(only {supported!r})")
     num_experts = need("n_routed_experts")
     routing = RoutingConfig(
         num_experts=num_experts, top_k=need("num_experts_per_tok"),

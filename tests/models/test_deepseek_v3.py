@@ -253,6 +253,15 @@ def test_bad_routing_config_is_refused(overrides, message):
     deepseek_v3.DeepseekV3Config.from_hf(config)
 
 
+@pytest.mark.parametrize("key,value", [("scoring_func", "softmax"), ("topk_method", "greedy"),
+                                       ("moe_layer_freq", 2), ("hidden_act", "gelu")])
+def test_other_moe_variants_are_refused(key, value):
+  config = dict(tiny_config().to_dict(), scoring_func="sigmoid", topk_method="noaux_tc")
+  deepseek_v3.DeepseekV3Config.from_hf(config)  # DeepSeek-V3's own values are accepted
+  with pytest.raises(NotImplementedError, match=f"{key}={value!r} is not supported"):
+    deepseek_v3.DeepseekV3Config.from_hf(dict(config, **{key: value}))
+
+
 # --- the whole model, loaded from a transformers checkpoint ------------------------------
 
 MODEL_CASES = {
