@@ -15,7 +15,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 import hf_tiny
 from jax_moe import models
-from jax_moe.models import deepseek_v3, mla, yarn
+from jax_moe.models import deepseek_v3, loader, mla, yarn
 from jax_moe.models.checkpoint import CheckpointError
 from jax_moe.models.sharding import ShardingRules
 
@@ -437,3 +437,55 @@ def test_fp8_checkpoint_loads_like_its_dequantized_weights(saved, tmp_path, rng)
   print(f"fp8 checkpoint vs transformers on its dequantized weights: {err:.2e}")
   # The quantization really changed the weights: the original model's logits differ.
   assert not np.allclose(np.asarray(from_fp8), hf_tiny.hf_logits(hf_model, ids), atol=1e-3)
+
+
+# --- full size, shapes only --------------------------------------------------------------
+
+class _ShapesOnly:
+  """A checkpoint reader that knows names and shapes only (check_checkpoint needs no data)."""
+  path = "shapes-only"
+
+  def __init__(self, shapes):
+    self.shapes = shapes
+
+  def has(self, name):
+    return name in self.shapes
+
+  def shape(self, name):
+    return self.shapes[name]
+
+
+def test_full_size_model_maps_onto_deepseek_v3_checkpoint_names():
+  """DeepSeek-V3's real dimensions (transformers' defaults: 61 layers, 256 experts, MLA
+  1536/512/128/64/128), built abstract on 8 devices, match the names and shapes of its
+  checkpoint: per-expert keys with fp8 scales and the MTP layer 61 as released, and
+  transformers' fused expert layout."""
+  config = DeepseekV3Config(rope_parameters=dict(YARN, factor=40.0,
+                                                 original_max_position_embeddings=4096))
+  with torch.device("meta"):
+    fused = {k: tuple(v.shape) for k, v in hf.DeepseekV3ForCausalLM(config).state_dict().items()}
+  per_expert = {}
+  for name, shape in fused.items():
+    if name.endswith("experts.gate_up_proj"):
+      E, two_f, d = shape
+      for e in range(E):
+        for proj in ("gate_proj", "up_proj"):
+          per_expert[name.replace("gate_up_proj", f"{e}.{proj}.weight")] = (two_f // 2, d)
+    elif name.endswith("experts.down_proj"):
+      for e in range(shape[0]):
+        per_expert[name.replace("down_proj", f"{e}.down_proj.weight")] = shape[1:]
+    else:
+      per_expert[name] = shape
+  for name, (rows, cols) in [(n, s) for n, s in per_expert.items() if n.endswith("proj.weight")]:
+    per_expert[name + "_scale_inv"] = (-(-rows // 128), -(-cols // 128))
+  per_expert["model.layers.61.eh_proj.weight"] = (7168, 14336)
+
+  model = deepseek_v3.DeepseekV3ForCausalLM(config.to_dict(), rules=ShardingRules(
+      Mesh(np.array(jax.devices()[:8]), ("ep",))), dtype=jnp.bfloat16)
+  for shapes in (fused, per_expert):
+    loader.check_checkpoint(model, _ShapesOnly(shapes))
+  assert [layer.is_moe for layer in model.layers[:4]] == [False, False, False, True]
+  experts = model.layers[3].mlp.experts.w_gate_edf.get_value()
+  assert experts.shape == (256, 7168, 2048) and experts.sharding.spec[0] == "ep"
+  assert model.layers[3].self_attn.kv_b_proj.w.get_value().sharding.is_fully_replicated
+  assert model.layers[3].mlp.gate.w_de.get_value().dtype == jnp.float32
