@@ -78,8 +78,8 @@ def init_mla_cache(cfg: MLAConfig, batch: int, max_len: int, dtype: Any) -> MLAC
 
 
 def _masked_softmax(scores_bhts: jax.Array, visible_bts: jax.Array) -> jax.Array:
-  # f32 softmax; every query sees at least itself, so no row is all -inf.
-  scores_bhts = jnp.where(visible_bts[:, None], scores_bhts.astype(jnp.float32), -jnp.inf)
+  # f32 scores in; every query sees at least itself, so no row is all -inf.
+  scores_bhts = jnp.where(visible_bts[:, None], scores_bhts, -jnp.inf)
   return jax.nn.softmax(scores_bhts, axis=-1)
 
 
@@ -185,10 +185,13 @@ class MultiHeadLatentAttention(nnx.Module):
       rows_s = jnp.arange(keys_latent_bsc.shape[1])
       query_rows_bt = cache_length + jnp.arange(x_btd.shape[1])[None, :]
       visible_bts = rows_s[None, None, :] <= query_rows_bt[:, :, None]
-    scores_bhts = jnp.einsum("bthr,bsr->bhts", q_rope_bthr, keys_rope_bsr)
+    # Scores accumulate and stay in f32 whatever the model dtype; probabilities go back to
+    # the value dtype for the weighted sum, as transformers' eager attention does.
+    f32 = dict(preferred_element_type=jnp.float32)
+    scores_bhts = jnp.einsum("bthr,bsr->bhts", q_rope_bthr, keys_rope_bsr, **f32)
     if self.uses_absorbed(x_btd.shape[1], keys_latent_bsc.shape[1]):
       q_latent_bthc = jnp.einsum("bthn,chn->bthc", q_nope_bthn, w_uk_chn)
-      scores_bhts += jnp.einsum("bthc,bsc->bhts", q_latent_bthc, keys_latent_bsc)
+      scores_bhts += jnp.einsum("bthc,bsc->bhts", q_latent_bthc, keys_latent_bsc, **f32)
       probs_bhts = _masked_softmax(scores_bhts * cfg.softmax_scale, visible_bts)
       out_bthc = jnp.einsum("bhts,bsc->bthc", probs_bhts.astype(keys_latent_bsc.dtype),
                             keys_latent_bsc)
@@ -196,7 +199,7 @@ class MultiHeadLatentAttention(nnx.Module):
     else:
       k_nope_bshn = jnp.einsum("bsc,chn->bshn", keys_latent_bsc, w_uk_chn)
       v_bshv = jnp.einsum("bsc,chv->bshv", keys_latent_bsc, w_uv_chv)
-      scores_bhts += jnp.einsum("bthn,bshn->bhts", q_nope_bthn, k_nope_bshn)
+      scores_bhts += jnp.einsum("bthn,bshn->bhts", q_nope_bthn, k_nope_bshn, **f32)
       probs_bhts = _masked_softmax(scores_bhts * cfg.softmax_scale, visible_bts)
       out_bthv = jnp.einsum("bhts,bshv->bthv", probs_bhts.astype(v_bshv.dtype), v_bshv)
     return self.o_proj(out_bthv.reshape(*x_btd.shape[:2], -1)), cache
