@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe.models import layers
+
 _SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
 
@@ -98,9 +100,7 @@ def rope_scaling_from_config(config: Mapping[str, Any]) -> RopeScaling:
     raise ValueError(f"qk_rope_head_dim must be even, got {dim}")
   interleaved = bool(config.get("rope_interleave", True))
   if params["rope_type"] == "default":
-    base = np.float32(params["rope_theta"])
-    inv_freq_f = (np.float32(1.0) / base ** (np.arange(0, dim, 2, dtype=np.float32)
-                                             / np.float32(dim))).astype(np.float32)
+    inv_freq_f = layers.rope_inv_freq(dim, params["rope_theta"])
     return RopeScaling(tuple(inv_freq_f.tolist()), 1.0, 1.0, interleaved)
 
   factor = params.get("factor")
