@@ -114,8 +114,8 @@ def route(logits_te: jax.Array, bias_e: jax.Array, cfg: RoutingConfig):
   scores_te = jax.nn.sigmoid(logits_te.astype(jnp.float32))
   choice_te = scores_te + bias_e.astype(jnp.float32)
   best2_tg2, _ = jax.lax.top_k(choice_te.reshape(T, G, E // G), 2)
-  _, groups_tk = jax.lax.top_k(best2_tg2.sum(-1), cfg.topk_group)
-  group_kept_tg = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], groups_tk].set(True)
+  _, kept_groups_tj = jax.lax.top_k(best2_tg2.sum(-1), cfg.topk_group)
+  group_kept_tg = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], kept_groups_tj].set(True)
   expert_kept_te = jnp.repeat(group_kept_tg, E // G, axis=1)
   _, ids_tk = jax.lax.top_k(jnp.where(expert_kept_te, choice_te, -jnp.inf), cfg.top_k)
   weights_tk = jnp.take_along_axis(scores_te, ids_tk, axis=1)
@@ -134,7 +134,9 @@ class TopkRouter(nnx.Module):
     self.e_score_correction_bias = param(rules, (cfg.num_experts,), (None,), jnp.float32)
 
   def __call__(self, x_td):
-    logits_te = jnp.einsum("td,de->te", x_td.astype(jnp.float32), self.w_de[...])
+    # Full f32 products (no TF32/bf16 passes on GPU): the router is tiny next to the experts.
+    logits_te = jnp.einsum("td,de->te", x_td.astype(jnp.float32), self.w_de[...],
+                           precision=jax.lax.Precision.HIGHEST)
     return route(logits_te, self.e_score_correction_bias[...], self.cfg)
 
 
