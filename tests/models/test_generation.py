@@ -26,11 +26,12 @@ def _first_near_tie(step_logits_nbv, tolerance):
   return np.where(near.any(0), near.argmax(0), near.shape[0])
 
 
-def test_greedy_matches_transformers(tmp_path, rng, mesh_of):
+def test_greedy_matches_transformers(tmp_path, rng, ep_mesh, backend):
   hf_model, path = save_tiny(Qwen3MoeConfig(**qwen3_moe_kwargs(norm_topk_prob=True)), tmp_path)
   ids = random_ids(rng, batch=3, seq=5, vocab=96)
   ref_tokens, ref_logits = hf_greedy(hf_model, ids, NEW_TOKENS)
-  model = models.from_pretrained(path, mesh=mesh_of(8), dtype=jnp.float32, progress=False)
+  model = models.from_pretrained(path, mesh=ep_mesh, backend=backend, dtype=jnp.float32,
+                                 progress=False)
   tokens = np.asarray(models.generate(model, ids, NEW_TOKENS))
   assert tokens.shape == ref_tokens.shape
   np.testing.assert_array_equal(tokens[:, :5], ids)
@@ -40,8 +41,8 @@ def test_greedy_matches_transformers(tmp_path, rng, mesh_of):
   assert compared.sum() >= 0.75 * compared.size * NEW_TOKENS
 
 
-def test_sampling_is_reproducible_and_in_vocab(mesh_of):
-  model = models.tiny("tiny-qwen3-moe", mesh=mesh_of(8))
+def test_sampling_is_reproducible_and_in_vocab(ep_mesh):
+  model = models.tiny("tiny-qwen3-moe", mesh=ep_mesh)
   generator = models.Generator(model, batch=8, prompt_len=3, max_new_tokens=3, temperature=1.0,
                                top_p=0.9)
   ids = jnp.zeros((8, 3), jnp.int32)

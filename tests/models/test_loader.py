@@ -29,22 +29,23 @@ def _edit_config(path, **changes):
     json.dump(config, f)
 
 
-def test_sharded_checkpoint_loads_like_single_file(tmp_path, rng, mesh_of, checkpoint):
+def test_sharded_checkpoint_loads_like_single_file(tmp_path, rng, ep_mesh, checkpoint):
   _, sharded = save_tiny(Qwen3MoeConfig(**qwen3_moe_kwargs()), tmp_path / "sharded",
                          max_shard_size="20KB")
   assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
   ids = random_ids(rng, 2, 4, 96)
   single_logits, sharded_logits = (
-      np.asarray(models.forward(models.from_pretrained(p, mesh=mesh_of(8), dtype=jnp.float32,
+      np.asarray(models.forward(models.from_pretrained(p, mesh=ep_mesh, dtype=jnp.float32,
                                                        progress=False), ids))
       for p in (checkpoint, sharded))
   np.testing.assert_array_equal(single_logits, sharded_logits)
 
 
-def test_weights_are_sharded_over_experts(mesh_of, checkpoint):
-  model = models.from_pretrained(checkpoint, mesh=mesh_of(8), dtype=jnp.float32, progress=False)
+def test_weights_are_sharded_over_experts(ep_mesh, checkpoint):
+  model = models.from_pretrained(checkpoint, mesh=ep_mesh, dtype=jnp.float32, progress=False)
   w = model.layers[0].mlp.experts.w_gate_edf[...]
-  assert [s.data.shape for s in w.addressable_shards] == [(1, 32, 16)] * 8
+  R = ep_mesh.devices.size
+  assert [s.data.shape for s in w.addressable_shards] == [(8 // R, 32, 16)] * R
   assert model.embed.table_vd[...].sharding.is_fully_replicated
 
 

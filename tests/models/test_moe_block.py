@@ -20,10 +20,10 @@ from jax_moe.models.moe import CommunicatorPool, RoutedExperts, join_f32, split_
 from jax_moe.models.sharding import ShardingRules
 
 
-def _experts(mesh, dtype, wire, E=16, D=128, F=32, K=4, seed=0):
+def _experts(mesh, dtype, wire, backend="xla", E=16, D=128, F=32, K=4, seed=0):
   rules = ShardingRules(mesh)
   layer = RoutedExperts(E, D, F, experts_per_token=K, rules=rules,
-                        pool=CommunicatorPool(rules, "xla"), dtype=dtype, wire=wire)
+                        pool=CommunicatorPool(rules, backend), dtype=dtype, wire=wire)
   rng = np.random.default_rng(seed)
   graphdef, state = nnx.split(layer)
   weights = {}
@@ -60,11 +60,12 @@ def _dense(x, ids, w, weights, round_h):
 
 
 @pytest.mark.parametrize("wire,devices,tokens", [
-    ("exact", 8, 13), ("exact", 1, 5), ("bf16", 8, 3), ("bf16", 4, 16), ("fp8", 8, 9)])
-def test_routed_experts_match_dense(mesh_of, rng, wire, devices, tokens):
-  mesh = mesh_of(devices)
+    ("exact", None, 13), ("exact", 1, 5), ("bf16", None, 3), ("bf16", 4, 16), ("fp8", None, 9)])
+def test_routed_experts_match_dense(mesh_of, ep_mesh, backend, rng, wire, devices, tokens):
+  """devices None: all of them (8 CPU devices, or the GPUs)."""
+  mesh = ep_mesh if devices is None else mesh_of(devices)
   dtype = jnp.float32 if wire == "exact" else jnp.bfloat16
-  layer, weights = _experts(mesh, dtype, wire)
+  layer, weights = _experts(mesh, dtype, wire, backend)
   ids, w = _routing(rng, tokens, 16, 4)
   x = rng.standard_normal((tokens, 128)).astype(np.float32)
   if wire == "exact":
