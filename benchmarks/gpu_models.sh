@@ -3,8 +3,12 @@
 # tests/models on the GPUs with every available backend (xla and cuda), the README's main
 # command with each backend, and benchmarks/bench_decode.py for backends xla and cuda.
 # Everything lands in one file, $OUT/models_<gpus>gpu.tar.gz (logs, JSON, PNG).
-#   GIT_COMMIT=<sha> benchmarks/gpu_models.sh      (the commit to record: copies have no .git)
+#   GIT_COMMIT=<sha> benchmarks/gpu_models.sh [STEP...]   (default: tests generate bench)
+# GIT_COMMIT is the commit to record (the device tool's copies have no .git). Build always
+# runs; a step list lets a 10-minute call do part of the work (tests ~4 min, bench ~4 min).
 set -u -o pipefail
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests generate bench)
 out=${OUT:-$PWD/gpu_logs}
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 logs=$(mktemp -d)/models_${gpus}gpu
@@ -42,15 +46,22 @@ step() {
   return 0
 }
 
-# the parity tests pick up the GPUs and parametrize over the backends available (xla, cuda)
-step tests_models 300 python3 -m pytest -q -p no:cacheprovider -rs tests/models
-for backend in xla cuda; do
-  for model in tiny-qwen3-moe tiny-deepseek-v3; do
-    step "generate_${model}_${backend}" 120 jax-moe generate --model "$model" --backend "$backend" \
-      --prompt-len 64 --max-new-tokens 32
-    grep -E '^(layout|prefill|decode)' "$logs/generate_${model}_${backend}.log"
-  done
+for s in "${steps[@]}"; do
+  case $s in
+    tests)  # the parity tests pick up the GPUs and every backend available (xla, cuda)
+      step tests_models 300 python3 -m pytest -q -p no:cacheprovider -rs tests/models ;;
+    generate)
+      for backend in xla cuda; do
+        for model in tiny-qwen3-moe tiny-deepseek-v3; do
+          step "generate_${model}_${backend}" 120 jax-moe generate --model "$model" \
+            --backend "$backend" --prompt-len 64 --max-new-tokens 32
+          grep -E '^(layout|prefill|decode)' "$logs/generate_${model}_${backend}.log"
+        done
+      done ;;
+    bench)
+      step bench_decode 300 python3 benchmarks/bench_decode.py --backends xla,cuda \
+        --out "$logs/results" --git-commit "${GIT_COMMIT:-unknown}"
+      tail -8 "$logs/bench_decode.log" ;;
+    *) echo "unknown step $s"; exit 2 ;;
+  esac
 done
-step bench_decode 240 python3 benchmarks/bench_decode.py --backends xla,cuda \
-  --out "$logs/results" --git-commit "${GIT_COMMIT:-unknown}"
-tail -8 "$logs/bench_decode.log"
