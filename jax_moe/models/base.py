@@ -79,12 +79,6 @@ class Cache:
   index: jax.Array  # int32 scalar
 
 
-def causal_mask(q_positions_s, kv_len: int):
-  """[S, kv_len] bool: the query at position p sees the keys at positions <= p."""
-  kv_positions = jnp.arange(kv_len, dtype=jnp.int32)
-  return kv_positions[None, :] <= q_positions_s[:, None]
-
-
 class CausalLM(nnx.Module):
   """Base of the model classes; see the module docstring for the contract."""
 

@@ -106,10 +106,10 @@ class CommunicatorPool:
 
   @property
   def backend_name(self) -> str:
-    """The resolved backend (after 'auto'), from a built communicator or the rules."""
-    for comm in self._comms.values():
-      return comm.backend_name
-    return jm.communicator._resolve_backend(self.backend, self.rules.mesh.devices.flat[0].platform)
+    """The backend the communicators use ('auto' resolved as Communicator resolves it)."""
+    if self.backend != "auto":
+      return self.backend
+    return jm.available_backends(self.rules.mesh.devices.flat[0].platform)[-1]
 
   def check(self) -> None:
     """Raises jm.CommError for a run-time error any communicator recorded."""

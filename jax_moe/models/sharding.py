@@ -70,10 +70,6 @@ class ShardingRules:
   def mesh_axis(self, logical: str | None) -> str | None:
     return dict(self.rules).get(logical) if logical is not None else None
 
-  def spec(self, *logical_axes: str | None) -> P:
-    """PartitionSpec of an array whose dims have these logical names (no divisibility check)."""
-    return P(*(self.mesh_axis(name) for name in logical_axes))
-
   def spec_for(self, shape: Sequence[int], logical_axes: Sequence[str | None]) -> P:
     """PartitionSpec for `shape`: a dim is sharded only where its size divides by the axis."""
     if len(shape) != len(logical_axes):
@@ -104,7 +100,3 @@ def param(rules: ShardingRules, shape: Sequence[int], logical_axes: Sequence[str
   sharding = rules.sharding(shape, logical_axes)
   return nnx.Param(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
                    logical_axes=tuple(logical_axes))
-
-
-def is_abstract(value) -> bool:
-  return isinstance(value, jax.ShapeDtypeStruct)
