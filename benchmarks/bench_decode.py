@@ -41,12 +41,10 @@ PARITY_TOLERANCE = 1e-5  # f32 twins, exact wire: only summation order may diffe
 # A larger model than the embedded tiny ones: Qwen3-MoE-like, 4 layers, 64 experts top-8.
 SYNTHETIC = {
     "synthetic-qwen3-moe": {
-        "model_type": "qwen3_moe", "vocab_size": 32000, "hidden_size": 2048,
-        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 4,
-        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
-        "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": True,
-        "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-        "tie_word_embeddings": False,
+        **models.TINY_CONFIGS["tiny-qwen3-moe"], "vocab_size": 32000, "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 64, "num_experts_per_tok": 8,
+        "mlp_only_layers": [],
     },
 }
 CONFIGS = {**models.TINY_CONFIGS, **SYNTHETIC}

@@ -31,8 +31,10 @@ A model class subclasses `CausalLM` (an `nnx.Module`) and implements:
   vocab_size (property)
 
 The base class gives `prepare(batch, seq)` (build the communicators for a call of that
-shape, outside jit), `layout()` (a one-line description of the parallel plan) and
-`random_init(seed)` support through `init_scale(path)` (override for special tensors).
+shape, outside jit), `layout()` (a one-line description of the parallel plan), the random
+init scale `init_scale(path, shape)` (override for special tensors), and the decoder trunk
+shared by the models: `token_positions`, `run_layers` and `final_logits` (which expects the
+attributes `norm`, an RMSNorm, and `lm_head`, a Linear or None for tied embeddings).
 """
 
 from __future__ import annotations
@@ -96,6 +98,39 @@ class CausalLM(nnx.Module):
   def prepare(self, batch: int, seq: int) -> None:
     """Builds the communicators a call on input_ids [batch, seq] needs (outside jit)."""
     self.pool.prepare(batch * seq)
+
+  # ---------------------------------------------------------------- decoder trunk
+  @staticmethod
+  def token_positions(input_ids_bs, cache: Cache | None):
+    """(index, positions [B, S]): the new tokens sit at [index, index + S), index 0 without
+    a cache."""
+    B, S = input_ids_bs.shape
+    index = jnp.int32(0) if cache is None else cache.index
+    return index, jnp.broadcast_to(index + jnp.arange(S, dtype=jnp.int32), (B, S))
+
+  def run_layers(self, x_bsd, cache: Cache | None, call_layer):
+    """x through every layer of `self.layers`, batch-sharded between layers.
+
+    call_layer(layer, x_bsd, layer_cache or None) -> (x_bsd, new layer_cache or None).
+    Returns (x_bsd, tuple of the new layer caches).
+    """
+    x_bsd = self.rules.constrain(x_bsd, "batch", None, None)
+    new_layers = []
+    for i, layer in enumerate(self.layers):
+      x_bsd, layer_cache = call_layer(layer, x_bsd, None if cache is None else cache.layers[i])
+      x_bsd = self.rules.constrain(x_bsd, "batch", None, None)
+      new_layers.append(layer_cache)
+    return x_bsd, tuple(new_layers)
+
+  def final_logits(self, x_bsd, embed, cache: Cache | None, new_layers: tuple):
+    """Final norm and LM head (tied to `embed` when lm_head is None): f32 logits, and the
+    cache advanced past the new tokens when there is one."""
+    x_bsd = self.norm(x_bsd)
+    logits = embed.attend(x_bsd) if self.lm_head is None else self.lm_head(x_bsd)
+    logits = logits.astype(jnp.float32)
+    if cache is None:
+      return logits
+    return logits, Cache(layers=new_layers, index=cache.index + x_bsd.shape[1])
 
   def init_scale(self, path: tuple, shape: tuple) -> float | None:
     """Std of the random init of one parameter; None means ones (norm weights)."""

@@ -171,24 +171,13 @@ class Qwen3MoeForCausalLM(CausalLM):
     return self.cfg.vocab_size
 
   def __call__(self, input_ids_bs, *, cache: Cache | None = None):
-    B, S = input_ids_bs.shape
-    index = jnp.int32(0) if cache is None else cache.index
-    positions_bs = jnp.broadcast_to(index + jnp.arange(S, dtype=jnp.int32), (B, S))
+    index, positions_bs = self.token_positions(input_ids_bs, cache)
     inv_freq = layers.rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta)
     cos, sin = layers.rope_cos_sin(positions_bs, inv_freq, self.dtype)
-    x_bsd = self.rules.constrain(self.embed(input_ids_bs), "batch", None, None)
-    new_layers = []
-    for i, layer in enumerate(self.layers):
-      kv = None if cache is None else cache.layers[i]
-      x_bsd, kv = layer(x_bsd, cos, sin, positions_bs, kv, index)
-      x_bsd = self.rules.constrain(x_bsd, "batch", None, None)
-      new_layers.append(kv)
-    x_bsd = self.norm(x_bsd)
-    logits = (self.embed.attend(x_bsd) if self.lm_head is None else self.lm_head(x_bsd))
-    logits = logits.astype(jnp.float32)
-    if cache is None:
-      return logits
-    return logits, Cache(layers=tuple(new_layers), index=index + S)
+    x_bsd, new_layers = self.run_layers(
+        self.embed(input_ids_bs), cache,
+        lambda layer, x_bsd, kv: layer(x_bsd, cos, sin, positions_bs, kv, index))
+    return self.final_logits(x_bsd, self.embed, cache, new_layers)
 
   def init_cache(self, batch: int, max_len: int) -> Cache:
     shape = (batch, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim)
