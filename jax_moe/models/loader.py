@@ -113,15 +113,17 @@ def _progress(items, desc: str, show: bool):
 def _place(abstract: jax.ShapeDtypeStruct, read_slice):
   """A global array with the parameter's sharding whose shards come from read_slice(index).
 
-  Replicated parameters ask for the same index on every device: read it once.
+  Devices holding the same slice (replicated parameters) ask for it one after another: the
+  last slice read is kept, so it is read once, and at most one slice is held at a time.
   """
-  cache = {}
+  last = {}
 
   def callback(index):
     key = tuple((s.start, s.stop) for s in index)
-    if key not in cache:
-      cache[key] = np.asarray(read_slice(index)).astype(abstract.dtype)
-    return cache[key]
+    if key not in last:
+      last.clear()
+      last[key] = np.asarray(read_slice(index)).astype(abstract.dtype)
+    return last[key]
 
   return jax.make_array_from_callback(abstract.shape, abstract.sharding, callback)
 
