@@ -114,7 +114,8 @@ def _place(abstract: jax.ShapeDtypeStruct, read_slice):
   """A global array with the parameter's sharding whose shards come from read_slice(index).
 
   Devices holding the same slice (replicated parameters) ask for it one after another: the
-  last slice read is kept, so it is read once, and at most one slice is held at a time.
+  last slice read is reused, so it is read from disk once. Host memory peaks at one copy of
+  the parameter (the slices of all local devices), never one full copy per device.
   """
   last = {}
 

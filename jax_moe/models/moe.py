@@ -54,7 +54,9 @@ def split_f32(x):
   """f32 [..., D] -> bf16 [..., 3D] (hi, mid, lo) with hi + mid + lo == x exactly.
 
   Each part takes the next 8 significant bits of what is left; f32 has 24, and bf16 keeps
-  f32's exponent range, so the residual after three parts is zero.
+  f32's exponent range, so the residual after three parts is zero (for normal values whose
+  bf16 rounding does not overflow, i.e. |x| below about 3.39e38, and whose last part stays
+  above the subnormal range, about |x| > 2^-110).
   """
   x = x.astype(jnp.float32)
   hi = x.astype(jnp.bfloat16)
