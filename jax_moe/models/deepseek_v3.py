@@ -200,22 +200,11 @@ class DeepseekV3ForCausalLM(CausalLM):
     return self.cfg.vocab_size
 
   def __call__(self, input_ids_bs, *, cache: Cache | None = None):
-    B, S = input_ids_bs.shape
-    index = jnp.int32(0) if cache is None else cache.index
-    positions_bs = jnp.broadcast_to(index + jnp.arange(S, dtype=jnp.int32), (B, S))
-    x_bsd = self.rules.constrain(self.embed_tokens(input_ids_bs), "batch", None, None)
-    new_layers = []
-    for i, layer in enumerate(self.layers):
-      layer_cache = None if cache is None else cache.layers[i]
-      x_bsd, layer_cache = layer(x_bsd, positions_bs, layer_cache, index)
-      x_bsd = self.rules.constrain(x_bsd, "batch", None, None)
-      new_layers.append(layer_cache)
-    x_bsd = self.norm(x_bsd)
-    logits = self.embed_tokens.attend(x_bsd) if self.lm_head is None else self.lm_head(x_bsd)
-    logits = logits.astype(jnp.float32)
-    if cache is None:
-      return logits
-    return logits, Cache(layers=tuple(new_layers), index=index + S)
+    index, positions_bs = self.token_positions(input_ids_bs, cache)
+    x_bsd, new_layers = self.run_layers(
+        self.embed_tokens(input_ids_bs), cache,
+        lambda layer, x_bsd, layer_cache: layer(x_bsd, positions_bs, layer_cache, index))
+    return self.final_logits(x_bsd, self.embed_tokens, cache, new_layers)
 
   def init_cache(self, batch: int, max_len: int) -> Cache:
     def place(array_bsx):

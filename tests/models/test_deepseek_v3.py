@@ -2,18 +2,17 @@
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
-from jax.sharding import Mesh
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 import hf_tiny
+from meshes import make_mesh
 from jax_moe import models
 from jax_moe.models import deepseek_v3, loader, mla, yarn
 from jax_moe.models.checkpoint import CheckpointError
@@ -120,7 +119,7 @@ def _load_attention(ours, theirs):
 
 
 def _one_device_rules():
-  return ShardingRules(Mesh(np.array(jax.devices()[:1]), ("ep",)))
+  return ShardingRules(make_mesh(1))
 
 
 def _random_attention(config, seed):
@@ -289,12 +288,8 @@ def _save_deepseek(directory, seed, **overrides):
   return model, path
 
 
-def _one_device_mesh():
-  return Mesh(np.array(jax.devices()[:1]), ("ep",))
-
-
-def _load(path, mesh, dtype=jnp.float32):
-  return models.from_pretrained(path, mesh=mesh, backend="xla", dtype=dtype, progress=False)
+def _load(path, mesh, backend, dtype=jnp.float32):
+  return models.from_pretrained(path, mesh=mesh, backend=backend, dtype=dtype, progress=False)
 
 
 
@@ -313,33 +308,34 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", sorted(MODEL_CASES))
-def test_logits_match_transformers(saved, rng, case):
+def test_logits_match_transformers(saved, rng, ep_mesh, backend, case):
   hf_model, path = saved(case)
   ids = hf_tiny.random_ids(rng, batch=2, seq=9, vocab=hf_model.config.vocab_size)
   want = hf_tiny.hf_logits(hf_model, ids)
-  got = models.forward(_load(path, _one_device_mesh()), ids)
+  got = models.forward(_load(path, ep_mesh, backend), ids)
   err = _close(got, want)
   print(f"{case}: max |logits - transformers| / max |transformers| = {err:.2e}")
 
 
-def test_expert_parallel_8_devices_equals_1(saved, rng):
+def test_expert_parallel_equals_one_device(saved, rng, mesh_of, ep_mesh, backend):
+  """All devices (8 here) against one, f32; and the serving setup (bf16 weights, bf16
+  exchange) near transformers' f32 logits."""
+  if ep_mesh.devices.size == 1:
+    pytest.skip("needs more than one device")
   hf_model, path = saved("qlora_dense1_norm_yarn_groups2")
   ids = hf_tiny.random_ids(rng, batch=2, seq=5, vocab=hf_model.config.vocab_size)
-  eight_devices = Mesh(np.array(jax.devices()[:8]), ("ep",))
-  one = models.forward(_load(path, _one_device_mesh()), ids)
-  err = _close(models.forward(_load(path, eight_devices), ids), one, 1e-6)
-  print(f"EP8 vs 1 device, f32: {err:.2e}")
-  # The serving setup (bf16 weights, bf16 exchange) stays near transformers' f32 logits.
-  err = _close(models.forward(_load(path, eight_devices, jnp.bfloat16), ids),
+  one = models.forward(_load(path, mesh_of(1), backend), ids)
+  err = _close(models.forward(_load(path, ep_mesh, backend), ids), one, 1e-6)
+  print(f"EP{ep_mesh.devices.size} vs 1 device, f32: {err:.2e}")
+  err = _close(models.forward(_load(path, ep_mesh, backend, jnp.bfloat16), ids),
                hf_tiny.hf_logits(hf_model, ids), 5e-2)
-  print(f"EP8 bf16 vs transformers f32: {err:.2e}")
+  print(f"EP{ep_mesh.devices.size} bf16 vs transformers f32: {err:.2e}")
 
 
-def test_embedded_tiny_model_decodes_like_its_full_forward(rng):
-  """The CLI's random-weight tiny-deepseek-v3 (legacy top-level rope_theta spelling) on 8
+def test_embedded_tiny_model_decodes_like_its_full_forward(rng, ep_mesh, backend):
+  """The CLI's random-weight tiny-deepseek-v3 (legacy top-level rope_theta spelling) on all
   devices: a prefill and cached steps give the full forward's logits."""
-  model = models.tiny("tiny-deepseek-v3", mesh=Mesh(np.array(jax.devices()[:8]), ("ep",)),
-                      backend="xla", dtype=jnp.float32)
+  model = models.tiny("tiny-deepseek-v3", mesh=ep_mesh, backend=backend, dtype=jnp.float32)
   ids = hf_tiny.random_ids(rng, batch=2, seq=6, vocab=model.vocab_size)
   full = models.forward(model, ids)
   logits, cache = models.forward(model, ids[:, :4], model.init_cache(2, 6))
@@ -350,7 +346,7 @@ def test_embedded_tiny_model_decodes_like_its_full_forward(rng):
   _close(jnp.concatenate(steps, axis=1), full, 1e-5)
 
 
-def test_cached_decode_and_greedy_generate_match_transformers(saved, rng):
+def test_cached_decode_and_greedy_generate_match_transformers(saved, rng, ep_mesh, backend):
   """generate's tokens are transformers' greedy tokens, and the logits of each cached step
   (prefill, then one token at a time) are transformers' logits of that step. (The half-split
   rope layout in the cache is covered by test_mla_cached_steps_equal_full_forward.)"""
@@ -361,7 +357,7 @@ def test_cached_decode_and_greedy_generate_match_transformers(saved, rng):
   # then masks those positions out of attention.
   ids = 1 + hf_tiny.random_ids(rng, batch=2, seq=prompt, vocab=hf_model.config.vocab_size - 1)
   want_tokens, want_logits = hf_tiny.hf_greedy(hf_model, ids, max_new_tokens=new)
-  model = _load(path, _one_device_mesh())
+  model = _load(path, ep_mesh, backend)
   np.testing.assert_array_equal(np.asarray(models.generate(model, ids, max_new_tokens=new)),
                                 want_tokens)
   cache = model.init_cache(2, prompt + new)
@@ -398,7 +394,8 @@ def _is_quantized_in_deepseek(name, tensor):
           and "lm_head" not in name)
 
 
-def test_fp8_checkpoint_loads_like_its_dequantized_weights(saved, tmp_path, rng):
+def test_fp8_checkpoint_loads_like_its_dequantized_weights(saved, tmp_path, rng, ep_mesh,
+                                                          backend):
   """An fp8 checkpoint (codes + weight_scale_inv, partial edge blocks, an MTP layer that must
   be skipped) gives the logits of an f32 checkpoint of its dequantized weights, and those
   are transformers' logits for the same weights."""
@@ -429,8 +426,8 @@ def test_fp8_checkpoint_loads_like_its_dequantized_weights(saved, tmp_path, rng)
     json.dump(dict(config, **extra), open(directory / "config.json", "w"))
 
   ids = hf_tiny.random_ids(rng, batch=2, seq=7, vocab=hf_model.config.vocab_size)
-  from_fp8 = models.forward(_load(str(fp8_dir), _one_device_mesh()), ids)
-  from_f32 = models.forward(_load(str(f32_dir), _one_device_mesh()), ids)
+  from_fp8 = models.forward(_load(str(fp8_dir), ep_mesh, backend), ids)
+  from_f32 = models.forward(_load(str(f32_dir), ep_mesh, backend), ids)
   np.testing.assert_array_equal(np.asarray(from_fp8), np.asarray(from_f32))
   reference = transformers.AutoModelForCausalLM.from_pretrained(str(f32_dir), dtype=torch.float32)
   err = _close(from_fp8, hf_tiny.hf_logits(reference.eval(), ids))
@@ -455,9 +452,9 @@ class _ShapesOnly:
     return self.shapes[name]
 
 
-def test_full_size_model_maps_onto_deepseek_v3_checkpoint_names():
+def test_full_size_model_maps_onto_deepseek_v3_checkpoint_names(ep_mesh):
   """DeepSeek-V3's real dimensions (transformers' defaults: 61 layers, 256 experts, MLA
-  1536/512/128/64/128), built abstract on 8 devices, match the names and shapes of its
+  1536/512/128/64/128), built abstract on all devices, match the names and shapes of its
   checkpoint: per-expert keys with fp8 scales and the MTP layer 61 as released, and
   transformers' fused expert layout."""
   config = DeepseekV3Config(rope_parameters=dict(YARN, factor=40.0,
@@ -480,8 +477,8 @@ def test_full_size_model_maps_onto_deepseek_v3_checkpoint_names():
     per_expert[name + "_scale_inv"] = (-(-rows // 128), -(-cols // 128))
   per_expert["model.layers.61.eh_proj.weight"] = (7168, 14336)
 
-  model = deepseek_v3.DeepseekV3ForCausalLM(config.to_dict(), rules=ShardingRules(
-      Mesh(np.array(jax.devices()[:8]), ("ep",))), dtype=jnp.bfloat16)
+  model = deepseek_v3.DeepseekV3ForCausalLM(config.to_dict(), rules=ShardingRules(ep_mesh),
+                                            dtype=jnp.bfloat16)
   for shapes in (fused, per_expert):
     loader.check_checkpoint(model, _ShapesOnly(shapes))
   assert [layer.is_moe for layer in model.layers[:4]] == [False, False, False, True]
