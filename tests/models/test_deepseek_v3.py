@@ -31,7 +31,7 @@ def tiny_config(**overrides):
             n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
             n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=12, kv_lora_rank=16,
             qk_rope_head_dim=8, qk_nope_head_dim=6, v_head_dim=10, max_position_embeddings=64,
-            rope_parameters=dict(YARN), initializer_range=0.2, num_nextn_predict_layers=0)
+            rope_parameters=dict(YARN), num_nextn_predict_layers=0)
   kw.update(overrides)
   config = DeepseekV3Config(**kw)
   config._attn_implementation = "eager"
