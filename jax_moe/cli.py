@@ -170,54 +170,65 @@ def _demo(args) -> int:
 
 
 # ------------------------------------------------------------------------------------ generate
+def _build_model(args):
+  """(model, description) of --model: an embedded tiny config or a checkpoint directory."""
+  import jax.numpy as jnp
+  from jax_moe import models
+
+  kwargs = dict(backend=args.backend, wire=args.wire,
+                dtype={"bf16": jnp.bfloat16, "f32": jnp.float32}[args.dtype])
+  if args.model in models.TINY_CONFIGS:
+    return (models.tiny(args.model, seed=args.seed, **kwargs),
+            f"{args.model} (embedded config, random weights, seed {args.seed})")
+  return models.from_pretrained(args.model, **kwargs), args.model
+
+
+def _time_generation(generator, ids, key):
+  """(prefill seconds, seconds per decode step) of an already compiled generator."""
+  import jax
+
+  start = time.perf_counter()
+  token_b, cache = jax.block_until_ready(generator.prefill(generator.state, ids, key))
+  prefill_s = time.perf_counter() - start
+  steps = generator.max_new_tokens - 1
+  start = time.perf_counter()
+  for _ in range(steps):  # the tokens are not kept: one key serves every step
+    token_b, cache = generator.step(generator.state, token_b, cache, key)
+  jax.block_until_ready(token_b)
+  return prefill_s, (time.perf_counter() - start) / max(steps, 1)
+
+
 def _generate(args) -> int:
   import jax
   import jax.numpy as jnp
   from flax import nnx
   from jax_moe import models
 
-  dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[args.dtype]
-  kwargs = dict(backend=args.backend, dtype=dtype, wire=args.wire)
   start = time.perf_counter()
   try:
-    if args.model in models.TINY_CONFIGS:
-      model = models.tiny(args.model, seed=args.seed, **kwargs)
-      source = f"{args.model} (embedded config, random weights, seed {args.seed})"
-    else:
-      model = models.from_pretrained(args.model, **kwargs)
-      source = args.model
+    model, source = _build_model(args)
+    batch = args.batch or model.rules.axis_size
+    generator = models.Generator(model, batch, args.prompt_len, args.max_new_tokens,
+                                 args.temperature, args.top_p)
   except (models.CheckpointError, NotImplementedError, ValueError) as e:
     print(f"jax-moe generate: error: {e}", file=sys.stderr)
     return 2
   jax.block_until_ready(nnx.state(model, nnx.Param))
   print(f"model: {source}, {type(model).__name__}, built in {time.perf_counter() - start:.1f} s")
   print(f"layout: {model.layout()}")
-  batch = args.batch or model.rules.axis_size
-  ids = jax.random.randint(jax.random.key(args.seed), (batch, args.prompt_len), 0,
-                           model.vocab_size, jnp.int32)
-  generator = models.Generator(model, batch, args.prompt_len, args.max_new_tokens,
-                               args.temperature, args.top_p)
   key = jax.random.key(args.seed)
-  tokens = generator(ids, key)  # compiles prefill and the decode step
-  jax.block_until_ready(tokens)
-
-  start = time.perf_counter()
-  token_b, cache = generator.prefill(generator.state, ids, key)
-  jax.block_until_ready(token_b)
-  prefill_s = time.perf_counter() - start
-  steps = args.max_new_tokens - 1
-  start = time.perf_counter()
-  for _ in range(steps):
-    token_b, cache = generator.step(generator.state, token_b, cache, key)
-  jax.block_until_ready(token_b)
-  decode_s = time.perf_counter() - start
+  ids = jax.random.randint(key, (batch, args.prompt_len), 0, model.vocab_size, jnp.int32)
+  tokens = jax.block_until_ready(generator(ids, key))  # compiles prefill and the decode step
+  prefill_s, step_s = _time_generation(generator, ids, key)
   model.pool.check()
+  sampling = ("greedy" if args.temperature == 0 else
+              f"temperature {args.temperature}, top-p {args.top_p}")
   print(f"batch {batch}, prompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens "
-        f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}, top-p {args.top_p}'})")
+        f"({sampling})")
   print(f"prefill: {prefill_s * 1e3:.2f} ms ({batch * args.prompt_len / prefill_s:.0f} tokens/s)")
-  if steps:
-    print(f"decode: {decode_s / steps * 1e3:.2f} ms per step, {batch * steps / decode_s:.1f} "
-          f"tokens/s ({steps} steps x batch {batch})")
+  if args.max_new_tokens > 1:
+    print(f"decode: {step_s * 1e3:.2f} ms per step, {batch / step_s:.1f} tokens/s "
+          f"(batch {batch})")
   print(f"sequence 0: {tokens[0].tolist()}")
   return 0
 

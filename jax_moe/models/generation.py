@@ -44,11 +44,14 @@ def sample(logits_bv, key, temperature: float, top_p: float):
   return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
 
 
-def _check_sampling(temperature, top_p, key):
+def _check_sampling(temperature, top_p):
   if not temperature >= 0.0:
     raise ValueError(f"generate: temperature must be >= 0, got {temperature}")
   if not 0.0 < top_p <= 1.0:
     raise ValueError(f"generate: top_p must be in (0, 1], got {top_p}")
+
+
+def _check_key(temperature, key):
   if temperature > 0.0 and key is None:
     raise ValueError("generate: sampling (temperature > 0) needs a PRNG key (key=jax.random.key(0))")
 
@@ -61,7 +64,8 @@ class Generator:
     if min(batch, prompt_len, max_new_tokens) < 1:
       raise ValueError(f"generate: batch ({batch}), prompt length ({prompt_len}) and "
                        f"max_new_tokens ({max_new_tokens}) must be >= 1")
-    self.model = model
+    _check_sampling(temperature, top_p)
+    self.model, self.temperature = model, temperature
     self.batch, self.prompt_len, self.max_new_tokens = batch, prompt_len, max_new_tokens
     model.prepare(batch, prompt_len)  # communicators allocate: built here, outside jit
     model.prepare(batch, 1)
@@ -84,8 +88,10 @@ class Generator:
     self.step = jax.jit(step, donate_argnames=donate)
 
   def __call__(self, input_ids_bs, key=None):
-    """Prompt [B, S] -> tokens [B, S + max_new_tokens] (prompt included)."""
-    key = jax.random.key(0) if key is None else key
+    """Prompt [B, S] -> tokens [B, S + max_new_tokens] (prompt included); `key` is needed
+    when sampling (temperature > 0)."""
+    _check_key(self.temperature, key)
+    key = jax.random.key(0) if key is None else key  # greedy: the key is not used
     keys = jax.random.split(key, self.max_new_tokens)
     token_b, cache = self.prefill(self.state, input_ids_bs, keys[0])
     tokens = [token_b]
@@ -100,7 +106,8 @@ class Generator:
 def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, key=None):
   """Prompt [B, S] int -> [B, S + max_new_tokens] int32; greedy unless temperature > 0."""
-  _check_sampling(temperature, top_p, key)
+  _check_sampling(temperature, top_p)
+  _check_key(temperature, key)
   input_ids = np.asarray(input_ids) if not isinstance(input_ids, jax.Array) else input_ids
   if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
     raise ValueError(f"generate: input_ids must be an int array [batch, seq], got "
