@@ -33,8 +33,8 @@ A model class subclasses `CausalLM` (an `nnx.Module`) and implements:
 The base class gives `prepare(batch, seq)` (build the communicators for a call of that
 shape, outside jit), `layout()` (a one-line description of the parallel plan), the random
 init scale `init_scale(path, shape)` (override for special tensors), and the decoder trunk
-shared by the models: `token_positions`, `run_layers` and `final_logits` (which expects the
-attributes `norm`, an RMSNorm, and `lm_head`, a Linear or None for tied embeddings).
+shared by the models: `init_trunk` (creates `embed_tokens`, `layers`, `norm` and `lm_head`,
+None when the embeddings are tied), `token_positions`, `run_layers` and `final_logits`.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_moe.models import layers
 from jax_moe.models.checkpoint import CheckpointError
 from jax_moe.models.moe import CommunicatorPool
 from jax_moe.models.sharding import ShardingRules
@@ -100,6 +101,16 @@ class CausalLM(nnx.Module):
     self.pool.prepare(batch * seq)
 
   # ---------------------------------------------------------------- decoder trunk
+  def init_trunk(self, vocab: int, hidden: int, rms_norm_eps: float, tied: bool,
+                 num_layers: int, make_layer) -> None:
+    """embed_tokens [V, D], layers (make_layer(i) for each), final norm, lm_head (or None)."""
+    kw = dict(rules=self.rules, dtype=self.dtype)
+    self.embed_tokens = layers.Embedding(vocab, hidden, **kw)
+    self.layers = nnx.List([make_layer(i) for i in range(num_layers)])
+    self.norm = layers.RMSNorm(hidden, rms_norm_eps, **kw)
+    self.lm_head = (None if tied else
+                    layers.Linear(hidden, vocab, logical_axes=("embed", "vocab"), **kw))
+
   @staticmethod
   def token_positions(input_ids_bs, cache: Cache | None):
     """(index, positions [B, S]): the new tokens sit at [index, index + S), index 0 without

@@ -157,14 +157,10 @@ class Qwen3MoeForCausalLM(CausalLM):
                dtype=jnp.bfloat16, wire: str | None = None):
     super().__init__(rules, backend, dtype)
     cfg = self.cfg = Qwen3MoeConfig.from_hf(config)
-    kw = dict(rules=rules, dtype=self.dtype)
-    self.embed = layers.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
-    self.layers = nnx.List([DecoderLayer(cfg, i, pool=self.pool, wire=wire, **kw)
-                            for i in range(cfg.num_hidden_layers)])
-    self.norm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-    self.lm_head = (None if cfg.tie_word_embeddings else
-                    layers.Linear(cfg.hidden_size, cfg.vocab_size, logical_axes=("embed", "vocab"),
-                                  **kw))
+    self.init_trunk(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, cfg.tie_word_embeddings,
+                    cfg.num_hidden_layers,
+                    lambda i: DecoderLayer(cfg, i, rules=rules, pool=self.pool, dtype=self.dtype,
+                                           wire=wire))
 
   @property
   def vocab_size(self) -> int:
@@ -175,9 +171,9 @@ class Qwen3MoeForCausalLM(CausalLM):
     inv_freq = layers.rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta)
     cos, sin = layers.rope_cos_sin(positions_bs, inv_freq, self.dtype)
     x_bsd, new_layers = self.run_layers(
-        self.embed(input_ids_bs), cache,
+        self.embed_tokens(input_ids_bs), cache,
         lambda layer, x_bsd, kv: layer(x_bsd, cos, sin, positions_bs, kv, index))
-    return self.final_logits(x_bsd, self.embed, cache, new_layers)
+    return self.final_logits(x_bsd, self.embed_tokens, cache, new_layers)
 
   def init_cache(self, batch: int, max_len: int) -> Cache:
     shape = (batch, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim)
@@ -188,7 +184,7 @@ class Qwen3MoeForCausalLM(CausalLM):
   def checkpoint_map(self) -> dict:
     cfg = self.cfg
     linear = lambda name: Tensor(name + ".weight", transpose=True)
-    sources = {("embed", "table_vd"): Tensor("model.embed_tokens.weight"),
+    sources = {("embed_tokens", "table_vd"): Tensor("model.embed_tokens.weight"),
                ("norm", "weight"): Tensor("model.norm.weight")}
     if self.lm_head is not None:
       sources[("lm_head", "w")] = linear("lm_head")

@@ -46,7 +46,7 @@ def test_weights_are_sharded_over_experts(ep_mesh, checkpoint):
   w = model.layers[0].mlp.experts.w_gate_edf[...]
   R = ep_mesh.devices.size
   assert [s.data.shape for s in w.addressable_shards] == [(8 // R, 32, 16)] * R
-  assert model.embed.table_vd[...].sharding.is_fully_replicated
+  assert model.embed_tokens.table_vd[...].sharding.is_fully_replicated
 
 
 def test_missing_tensor(checkpoint):
