@@ -34,7 +34,8 @@ The base class gives `prepare(batch, seq)` (build the communicators for a call o
 shape, outside jit), `layout()` (a one-line description of the parallel plan), the random
 init scale `init_scale(path, shape)` (override for special tensors), and the decoder trunk
 shared by the models: `init_trunk` (creates `embed_tokens`, `layers`, `norm` and `lm_head`,
-None when the embeddings are tied), `token_positions`, `run_layers` and `final_logits`.
+None when the embeddings are tied), `token_positions`, `run_layers`, `final_logits` and
+`trunk_checkpoint_map` (the HF names of embed_tokens, norm and lm_head).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_moe.models import layers
-from jax_moe.models.checkpoint import CheckpointError
+from jax_moe.models.checkpoint import CheckpointError, Tensor, linear
 from jax_moe.models.moe import CommunicatorPool
 from jax_moe.models.sharding import ShardingRules
 
@@ -142,6 +143,14 @@ class CausalLM(nnx.Module):
     if cache is None:
       return logits
     return logits, Cache(layers=new_layers, index=cache.index + x_bsd.shape[1])
+
+  def trunk_checkpoint_map(self) -> dict:
+    """Sources of the parameters init_trunk creates, under their Hugging Face names."""
+    sources = {("embed_tokens", "table_vd"): Tensor("model.embed_tokens.weight"),
+               ("norm", "weight"): Tensor("model.norm.weight")}
+    if self.lm_head is not None:
+      sources[("lm_head", "w")] = linear("lm_head")
+    return sources
 
   def init_scale(self, path: tuple, shape: tuple) -> float | None:
     """Std of the random init of one parameter; None means ones (norm weights)."""

@@ -11,7 +11,8 @@ dequantized).
 
 Sources:
   Tensor(name, transpose=False)   one tensor; transpose=True for torch nn.Linear weights
-                                  ([out, in] in the checkpoint, [in, out] as a parameter).
+                                  ([out, in] in the checkpoint, [in, out] as a parameter);
+                                  `linear(prefix)` is Tensor(prefix + ".weight", transpose=True).
   StackedExperts(per_expert, num_experts, fused=..., fused_part=..., fused_parts=...)
                                   [E, in, out] from per-expert Linear weights
                                   `per_expert.format(e=e)` ([out, in] each), or from one fused
@@ -54,6 +55,11 @@ class Tensor:
     if self.transpose:
       return reader.read(self.name, tuple(index)[::-1]).T
     return reader.read(self.name, tuple(index))
+
+
+def linear(prefix: str) -> Tensor:
+  """The weight of a torch nn.Linear named `prefix`, as an [in, out] parameter."""
+  return Tensor(prefix + ".weight", transpose=True)
 
 
 @dataclasses.dataclass(frozen=True)

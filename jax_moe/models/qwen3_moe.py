@@ -17,7 +17,7 @@ from flax import nnx
 from jax_moe.models import layers
 from jax_moe.models.attention import gqa_attention, update_kv
 from jax_moe.models.base import Cache, CausalLM
-from jax_moe.models.checkpoint import CheckpointError, StackedExperts, Tensor
+from jax_moe.models.checkpoint import CheckpointError, StackedExperts, Tensor, linear
 from jax_moe.models.moe import RoutedExperts
 from jax_moe.models.sharding import ShardingRules
 
@@ -183,11 +183,7 @@ class Qwen3MoeForCausalLM(CausalLM):
 
   def checkpoint_map(self) -> dict:
     cfg = self.cfg
-    linear = lambda name: Tensor(name + ".weight", transpose=True)
-    sources = {("embed_tokens", "table_vd"): Tensor("model.embed_tokens.weight"),
-               ("norm", "weight"): Tensor("model.norm.weight")}
-    if self.lm_head is not None:
-      sources[("lm_head", "w")] = linear("lm_head")
+    sources = self.trunk_checkpoint_map()
     for i, layer in enumerate(self.layers):
       p = f"model.layers.{i}"
       sources[("layers", i, "input_norm", "weight")] = Tensor(f"{p}.input_layernorm.weight")
