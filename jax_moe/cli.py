@@ -1,4 +1,5 @@
-"""The `jax-moe` command: `info` (what runs here) and `demo` (one MoE layer, checked).
+"""The `jax-moe` command: `info` (what runs here), `demo` (one MoE layer, checked) and
+`generate` (expert-parallel text generation with a Qwen3-MoE or DeepSeek-V3 model).
 
 `demo` runs dispatch -> grouped GEMM (jax.lax.ragged_dot) -> combine on every device of the
 default platform with every available backend and both combine modes, compares the output
@@ -27,9 +28,6 @@ def _simulate_cpu_devices(count: int = 8) -> None:
   flags = os.environ.get("XLA_FLAGS", "")
   if _CPU_DEVICES_FLAG not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} {_CPU_DEVICES_FLAG}={count}".strip()
-
-
-
 
 
 # ------------------------------------------------------------------------------------ info
@@ -171,6 +169,70 @@ def _demo(args) -> int:
   return 0
 
 
+# ------------------------------------------------------------------------------------ generate
+def _build_model(args):
+  """(model, description) of --model: an embedded tiny config or a checkpoint directory."""
+  import jax.numpy as jnp
+  from jax_moe import models
+
+  kwargs = dict(backend=args.backend, wire=args.wire,
+                dtype={"bf16": jnp.bfloat16, "f32": jnp.float32}[args.dtype])
+  if args.model in models.TINY_CONFIGS:
+    return (models.tiny(args.model, seed=args.seed, **kwargs),
+            f"{args.model} (embedded config, random weights, seed {args.seed})")
+  return models.from_pretrained(args.model, **kwargs), args.model
+
+
+def _time_generation(generator, ids, key):
+  """(prefill seconds, seconds per decode step) of an already compiled generator."""
+  import jax
+
+  start = time.perf_counter()
+  token_b, cache = jax.block_until_ready(generator.prefill(generator.state, ids, key))
+  prefill_s = time.perf_counter() - start
+  steps = generator.max_new_tokens - 1
+  start = time.perf_counter()
+  for _ in range(steps):  # the tokens are not kept: one key serves every step
+    token_b, cache = generator.step(generator.state, token_b, cache, key)
+  jax.block_until_ready(token_b)
+  return prefill_s, (time.perf_counter() - start) / max(steps, 1)
+
+
+def _generate(args) -> int:
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax_moe import models
+
+  start = time.perf_counter()
+  try:
+    model, source = _build_model(args)
+    batch = args.batch or model.rules.axis_size
+    generator = models.Generator(model, batch, args.prompt_len, args.max_new_tokens,
+                                 args.temperature, args.top_p)
+  except (models.CheckpointError, NotImplementedError, ValueError) as e:
+    print(f"jax-moe generate: error: {e}", file=sys.stderr)
+    return 2
+  jax.block_until_ready(nnx.state(model, nnx.Param))
+  print(f"model: {source}, {type(model).__name__}, built in {time.perf_counter() - start:.1f} s")
+  print(f"layout: {model.layout()}")
+  key = jax.random.key(args.seed)
+  ids = jax.random.randint(key, (batch, args.prompt_len), 0, model.vocab_size, jnp.int32)
+  tokens = jax.block_until_ready(generator(ids, key))  # compiles prefill and the decode step
+  prefill_s, step_s = _time_generation(generator, ids, key)
+  model.pool.check()
+  sampling = ("greedy" if args.temperature == 0 else
+              f"temperature {args.temperature}, top-p {args.top_p}")
+  print(f"batch {batch}, prompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens "
+        f"({sampling})")
+  print(f"prefill: {prefill_s * 1e3:.2f} ms ({batch * args.prompt_len / prefill_s:.0f} tokens/s)")
+  if args.max_new_tokens > 1:
+    print(f"decode: {step_s * 1e3:.2f} ms per step, {batch / step_s:.1f} tokens/s "
+          f"(batch {batch})")
+  print(f"sequence 0: {tokens[0].tolist()}")
+  return 0
+
+
 # ------------------------------------------------------------------------------------ main
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jax-moe", description=__doc__.splitlines()[0])
@@ -189,13 +251,30 @@ def _parser() -> argparse.ArgumentParser:
   demo.add_argument("--warmup", type=int, default=2, help="untimed calls after compiling")
   demo.add_argument("--iters", type=int, default=5, help="timed calls")
   demo.add_argument("--seed", type=int, default=0, help="random inputs and expert weights")
+  generate = commands.add_parser(
+      "generate", help="expert-parallel generation: prefill latency, decode tokens/s, layout",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  generate.add_argument("--model", default="tiny-qwen3-moe",
+                        help="a Hugging Face model directory (config.json + safetensors), or "
+                             "tiny-qwen3-moe / tiny-deepseek-v3 (embedded config, random weights)")
+  generate.add_argument("--backend", default="auto", help="MoE exchange: auto, xla or cuda")
+  generate.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+  generate.add_argument("--wire", choices=("bf16", "fp8", "exact"), default=None,
+                        help="how MoE tokens travel (default: exact for f32, bf16 otherwise)")
+  generate.add_argument("--batch", type=int, default=0,
+                        help="sequences (default: one per device)")
+  generate.add_argument("--prompt-len", type=int, default=16, help="random prompt tokens")
+  generate.add_argument("--max-new-tokens", type=int, default=16)
+  generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+  generate.add_argument("--top-p", type=float, default=1.0)
+  generate.add_argument("--seed", type=int, default=0, help="weights, prompt and sampling")
   return parser
 
 
 def main(argv: list[str] | None = None) -> int:
   _simulate_cpu_devices()
   args = _parser().parse_args(argv)
-  return {"info": _info, "demo": _demo}[args.command](args)
+  return {"info": _info, "demo": _demo, "generate": _generate}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,253 @@
+#!/usr/bin/env python3
+"""Decode step time of the expert-parallel models, per MoE exchange backend.
+
+For every model, the same weights (fixed seed) are built once per backend. First the
+backends are checked against each other: f32 twins of the model with the exact MoE wire
+(jax_moe.models.moe) must give the same prefill logits within 1e-5 of their largest
+magnitude, and the bf16 models' logits gap is recorded. Then, per backend, the bf16 model
+prefills a random prompt and runs greedy decode steps inside one jit (lax.fori_loop over the
+step), timed as (t(n_long) - t(n_short)) / (n_long - n_short) per step (benchmarks/timing.py).
+
+Writes <out>/decode_<device>.json and .png and prints a table last.
+
+  python benchmarks/bench_decode.py                                   # GPU defaults
+  JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+    python benchmarks/bench_decode.py --models tiny-qwen3-moe --steps 4 --short-steps 1 \\
+    --reps 2                                                          # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `jax_moe` importable
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jax_moe as jm  # noqa: E402
+from benchmarks import report  # noqa: E402
+from benchmarks.environment import device_slug, ep_mesh, provenance  # noqa: E402
+from benchmarks.timing import summarize, time_per_iteration  # noqa: E402
+from jax_moe import models  # noqa: E402
+
+PARITY_TOLERANCE = 1e-5  # f32 twins, exact wire: only summation order may differ
+# A larger model than the embedded tiny ones: Qwen3-MoE-like, 4 layers, 64 experts top-8.
+SYNTHETIC = {
+    "synthetic-qwen3-moe": {
+        **models.TINY_CONFIGS["tiny-qwen3-moe"], "vocab_size": 32000, "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 64, "num_experts_per_tok": 8,
+        "mlp_only_layers": [],
+    },
+}
+CONFIGS = {**models.TINY_CONFIGS, **SYNTHETIC}
+
+
+def _csv(text: str) -> list[str]:
+  return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--models", type=_csv, default=list(CONFIGS),
+                 help=f"comma-separated, from {list(CONFIGS)}")
+  p.add_argument("--backends", type=_csv, default=None,
+                 help="jax_moe backends (default: jm.available_backends())")
+  p.add_argument("--batch", type=int, default=0,
+                 help="sequences decoded together (default: 16 per device)")
+  p.add_argument("--prompt-len", type=int, default=32)
+  p.add_argument("--wire", choices=("bf16", "fp8"), default="bf16",
+                 help="how the bf16 models move MoE tokens")
+  p.add_argument("--ep", type=int, default=None, help="use the first N devices (default all)")
+  p.add_argument("--steps", type=int, default=32, help="decode steps of the long timed loop")
+  p.add_argument("--short-steps", type=int, default=4, help="decode steps of the short loop")
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--budget-s", type=float, default=30.0,
+                 help="shorten the long loop to about this many seconds")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+  p.add_argument("--git-commit", default=None,
+                 help="commit to record when the checkout has no .git (a copied tree)")
+  args = p.parse_args(argv)
+  unknown = [m for m in args.models if m not in CONFIGS]
+  if unknown:
+    p.error(f"--models: unknown {unknown}; choose from {list(CONFIGS)}")
+  if not 0 <= args.short_steps < args.steps:
+    p.error(f"--short-steps must be in [0, --steps), got {args.short_steps} and {args.steps}")
+  if args.reps < 1 or args.prompt_len < 1:
+    p.error("--reps and --prompt-len must be >= 1")
+  return args
+
+
+def _build(name, mesh, backend, dtype, wire, seed):
+  return models.from_config(CONFIGS[name], mesh=mesh, backend=backend, dtype=dtype, wire=wire,
+                            seed=seed)
+
+
+def _prompt(model, batch, prompt_len, seed):
+  return jax.random.randint(jax.random.key(seed + 1), (batch, prompt_len), 0, model.vocab_size,
+                            jnp.int32)
+
+
+def check_backends(name, mesh, backends, args, batch) -> dict:
+  """Prefill logits of each backend against the first: f32 exact twins, then the bf16 models."""
+  parity = {"tolerance": PARITY_TOLERANCE, "reference_backend": backends[0]}
+  for dtype, wire, key in ((jnp.float32, "exact", "f32_exact"), (jnp.bfloat16, args.wire, "bf16")):
+    logits = {}
+    for backend in backends:
+      model = _build(name, mesh, backend, dtype, wire, args.seed)
+      logits[backend] = np.asarray(models.forward(model, _prompt(model, batch, args.prompt_len,
+                                                                  args.seed)))
+      model.pool.check()
+      model.pool.close()
+    ref = logits[backends[0]]
+    parity[key] = {b: float(np.abs(v - ref).max() / np.abs(ref).max()) for b, v in logits.items()}
+  parity["ok"] = all(gap <= PARITY_TOLERANCE for gap in parity["f32_exact"].values())
+  return parity
+
+
+def decode_program(model, batch, prompt_len, max_len):
+  """jit(prefill) and jit(n greedy decode steps in a fori_loop) for one model."""
+  model.prepare(batch, prompt_len)  # communicators of the prompt and of one token per sequence
+  model.prepare(batch, 1)
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def prefill(state, ids_bs):
+    model = nnx.merge(graphdef, state)
+    logits_bsv, cache = model(ids_bs, cache=model.init_cache(batch, max_len))
+    return jnp.argmax(logits_bsv[:, -1], -1).astype(jnp.int32), cache
+
+  @jax.jit
+  def decode(state, token_b, cache, n):
+    model = nnx.merge(graphdef, state)
+
+    def step(_, carry):
+      token_b, cache = carry
+      logits_bsv, cache = model(token_b[:, None], cache=cache)
+      return jnp.argmax(logits_bsv[:, -1], -1).astype(jnp.int32), cache
+
+    return jax.lax.fori_loop(0, n, step, (token_b, cache))
+
+  return state, prefill, decode
+
+
+def time_model(name, mesh, backend, args, batch) -> dict:
+  model = _build(name, mesh, backend, jnp.bfloat16, args.wire, args.seed)
+  ids = _prompt(model, batch, args.prompt_len, args.seed)
+  # the prompt is prefilled at max_len = prompt + steps so one cache shape serves every n
+  max_len = args.prompt_len + args.steps + 1
+  state, prefill, decode = decode_program(model, batch, args.prompt_len, max_len)
+  token_b, cache = jax.block_until_ready(prefill(state, ids))
+  prefill_s = []
+  for _ in range(args.reps):
+    start = time.perf_counter()
+    jax.block_until_ready(prefill(state, ids))
+    prefill_s.append((time.perf_counter() - start) * 1e6)
+  jax.block_until_ready(decode(state, token_b, cache, 1))  # compile
+  timing, _ = time_per_iteration(lambda n: decode(state, token_b, cache, n), args.short_steps,
+                                 args.steps, args.reps, args.budget_s)
+  model.pool.check()
+  model.pool.close()
+  return {"label": f"{name} {backend}", "model": name, "backend": backend, "status": "ok",
+          "family": "jax_moe", "time": timing, "prefill": summarize(prefill_s),
+          "decode_tokens_per_s": batch / (timing["median_us"] * 1e-6),
+          "layout": model.layout()}
+
+
+def plot(payload: dict, path: Path) -> bool:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = [r for r in payload["results"] if r["status"] == "ok"]
+  if not rows:
+    return False
+  medians = [r["time"]["median_us"] for r in rows]
+  low = [m - r["time"]["p10_us"] for m, r in zip(medians, rows)]
+  high = [r["time"]["p90_us"] - m for m, r in zip(medians, rows)]
+  fig, ax = plt.subplots(figsize=(9, 0.4 * len(rows) + 1.6))
+  ax.barh(range(len(rows)), medians, xerr=[np.maximum(low, 0), np.maximum(high, 0)],
+          color=["tab:blue" if r["backend"] == "cuda" else "tab:orange" for r in rows], capsize=2)
+  ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=8)
+  ax.invert_yaxis()
+  ax.set_xlabel("microseconds per decode step (median, p10-p90)")
+  env, cfg = payload["environment"], payload["config"]
+  ax.set_title(f"decode: batch {cfg['batch']}, prompt {cfg['prompt_len']}, bf16, "
+               f"{cfg['wire']} MoE wire\n{env['device_count']} x {env['device_kind']}, "
+               f"jax {env['jax_version']}, commit {str(env['git_commit'])[:10]}", fontsize=9)
+  for i, r in enumerate(rows):
+    ax.text(r["time"]["p90_us"], i, f" {r['time']['median_us']:.0f} us, "
+            f"{r['decode_tokens_per_s']:.0f} tok/s", va="center", fontsize=7)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def _table(results) -> str:
+  header = f"{'model backend':34} {'status':8} {'step us':>9} {'p10-p90':>15} {'tok/s':>9} {'prefill ms':>10}"
+  lines = [header, "-" * len(header)]
+  for r in results:
+    if r["status"] != "ok":
+      lines.append(f"{r['label'][:34]:34} {r['status']:8} {r.get('reason', '')[:120]}")
+      continue
+    t = r["time"]
+    lines.append(f"{r['label'][:34]:34} {'ok':8} {t['median_us']:9.1f} "
+                 f"{t['p10_us']:7.1f}-{t['p90_us']:<7.1f} {r['decode_tokens_per_s']:9.0f} "
+                 f"{r['prefill']['median_us'] / 1e3:10.2f}")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  mesh = ep_mesh(args.ep)
+  available = jm.available_backends()
+  backends = args.backends or available
+  missing = [b for b in backends if b not in available]
+  if missing:
+    print(f"backends {missing} are not available here (available: {available})", file=sys.stderr)
+    return 2
+  batch = args.batch or 16 * mesh.devices.size
+  results, parity = [], {}
+  for name in args.models:
+    try:
+      parity[name] = check_backends(name, mesh, backends, args, batch)
+    except NotImplementedError as e:  # a registered model class missing from this build
+      results.append({"label": name, "model": name, "status": "skipped", "reason": str(e)})
+      continue
+    if not parity[name]["ok"]:
+      results.append({"label": name, "model": name, "status": "failed",
+                      "reason": f"backends disagree: {parity[name]['f32_exact']}"})
+      continue
+    for backend in backends:
+      results.append(time_model(name, mesh, backend, args, batch))
+  payload = {
+      "benchmark": "decode",
+      "environment": provenance(mesh, args.git_commit),
+      "config": {"batch": batch, "prompt_len": args.prompt_len, "wire": args.wire,
+                 "dtype": "bfloat16", "backends": backends, "seed": args.seed,
+                 "models": {name: CONFIGS[name] for name in args.models}},
+      "parity": parity,
+      "results": results,
+  }
+  stem = args.out / f"decode_{device_slug(mesh)}"
+  report.write_json(stem.with_suffix(".json"), payload)
+  plotted = plot(payload, stem.with_suffix(".png"))
+  print(f"wrote {stem}.json" + (" and .png" if plotted else ""))
+  print(_table(results))
+  failed = [r for r in results if r["status"] == "failed"]
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The models on a GPU machine (1 or 2 H200): builds jax_moe with the CUDA kernels, runs
+# tests/models on the GPUs with every available backend (xla and cuda), the README's main
+# command with each backend, and benchmarks/bench_decode.py for backends xla and cuda.
+# Everything lands in one file, $OUT/models_<gpus>gpu.tar.gz (logs, JSON, PNG).
+#   GIT_COMMIT=<sha> benchmarks/gpu_models.sh [STEP...]   (default: tests generate bench)
+# GIT_COMMIT is the commit to record (the device tool's copies have no .git). Build always
+# runs; a step list lets a 10-minute call do part of the work (tests ~4 min, bench ~4 min).
+set -u -o pipefail
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests generate bench)
+out=${OUT:-$PWD/gpu_logs}
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+logs=$(mktemp -d)/models_${gpus}gpu
+mkdir -p "$out" "$logs"
+export PYTHONUNBUFFERED=1 JAX_MOE_TIMEOUT_S=${JAX_MOE_TIMEOUT_S:-10}
+started=$(date +%s)
+finish() {
+  echo "total: $(( $(date +%s) - started )) s" | tee -a "$logs/summary.txt"
+  tar czf "$out/models_${gpus}gpu.tar.gz" -C "$(dirname "$logs")" "$(basename "$logs")"
+}
+trap finish EXIT
+
+{ nvidia-smi topo -m; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } \
+  > "$logs/topo.txt" 2>&1
+if ! python3 -m pip install --no-build-isolation --no-deps -e . \
+    -Ccmake.define.JAX_MOE_ENABLE_CUDA=ON -Ccmake.define.JAX_MOE_ENABLE_LIBFABRIC=OFF \
+    > "$logs/build.log" 2>&1; then
+  tail -40 "$logs/build.log"
+  echo "BUILD FAILED" | tee -a "$logs/summary.txt"
+  exit 1
+fi
+echo "build: ok ($(( $(date +%s) - started )) s)" | tee -a "$logs/summary.txt"
+python3 -c "import jax, jax_moe as jm; print(jm.build_info()); print('backends', jm.available_backends(), jax.devices())" \
+  2>&1 | tee -a "$logs/summary.txt"
+
+# step NAME SECONDS COMMAND...: one step under a hard time limit, its log and a summary line
+step() {
+  local name=$1 seconds=$2
+  shift 2
+  timeout -s KILL "$seconds" "$@" > "$logs/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc $(grep -E '(passed|failed|error|skipped)' "$logs/$name.log" | tail -1)" \
+    | tee -a "$logs/summary.txt"
+  [ $rc -ne 0 ] && grep -E '^(E |FAILED|ERROR)|Error' "$logs/$name.log" | head -15
+  return 0
+}
+
+for s in "${steps[@]}"; do
+  case $s in
+    tests)  # the parity tests pick up the GPUs and every backend available (xla, cuda)
+      step tests_models 300 python3 -m pytest -q -p no:cacheprovider -rs tests/models ;;
+    generate)
+      for backend in xla cuda; do
+        for model in tiny-qwen3-moe tiny-deepseek-v3; do
+          step "generate_${model}_${backend}" 120 jax-moe generate --model "$model" \
+            --backend "$backend" --prompt-len 64 --max-new-tokens 32
+          grep -E '^(layout|prefill|decode)' "$logs/generate_${model}_${backend}.log"
+        done
+      done ;;
+    bench)
+      step bench_decode 300 python3 benchmarks/bench_decode.py --backends xla,cuda \
+        --out "$logs/results" --git-commit "${GIT_COMMIT:-unknown}"
+      tail -8 "$logs/bench_decode.log" ;;
+    *) echo "unknown step $s"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,108 @@
+"""How a model declares where each parameter comes from in a Hugging Face checkpoint.
+
+A model's `checkpoint_map()` returns {parameter path: source}; a parameter path is the
+tuple nnx uses (`("layers", 0, "attn", "q", "w")`). The generic loader asks each source for
+the checkpoint tensors it needs, checks the shape it yields against the parameter, and calls
+`read(reader, index)` for each device's slice only (`index` is a tuple of slices of the
+*parameter*; sources translate it to the checkpoint's orientation). `reader` is a
+`loader.CheckpointReader`: `reader.has(name)`, `reader.shape(name)`,
+`reader.read(name, index)` -> numpy f32/bf16/... slice (fp8 block-scaled weights come back
+dequantized).
+
+Sources:
+  Tensor(name, transpose=False)   one tensor; transpose=True for torch nn.Linear weights
+                                  ([out, in] in the checkpoint, [in, out] as a parameter);
+                                  `linear(prefix)` is Tensor(prefix + ".weight", transpose=True).
+  StackedExperts(per_expert, num_experts, fused=..., fused_part=..., fused_parts=...)
+                                  [E, in, out] from per-expert Linear weights
+                                  `per_expert.format(e=e)` ([out, in] each), or from one fused
+                                  [E, out_total, in] tensor (transformers >= 5 in-memory
+                                  layout, e.g. `experts.gate_up_proj` [E, 2F, D]) whose
+                                  `fused_part`-th of `fused_parts` chunks along dim 1 is taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that does not fit the model: missing tensor, wrong shape, unknown type."""
+
+
+def _bounds(index_slice: slice, size: int) -> tuple[int, int]:
+  start, stop, step = index_slice.indices(size)
+  if step != 1:
+    raise ValueError(f"checkpoint reads take contiguous slices, got step {step}")
+  return start, stop
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  name: str
+  transpose: bool = False
+
+  def names(self, reader) -> list[str]:
+    return [self.name]
+
+  def shape(self, reader) -> tuple[int, ...]:
+    shape = tuple(reader.shape(self.name))
+    return shape[::-1] if self.transpose else shape
+
+  def read(self, reader, index) -> np.ndarray:
+    if self.transpose:
+      return reader.read(self.name, tuple(index)[::-1]).T
+    return reader.read(self.name, tuple(index))
+
+
+def linear(prefix: str) -> Tensor:
+  """The weight of a torch nn.Linear named `prefix`, as an [in, out] parameter."""
+  return Tensor(prefix + ".weight", transpose=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedExperts:
+  per_expert: str          # e.g. "model.layers.0.mlp.experts.{e}.gate_proj.weight"
+  num_experts: int
+  fused: str | None = None  # e.g. "model.layers.0.mlp.experts.gate_up_proj"
+  fused_part: int = 0
+  fused_parts: int = 1
+
+  def _layout(self, reader) -> str:
+    if reader.has(self.per_expert.format(e=0)):
+      return "per_expert"
+    if self.fused is not None and reader.has(self.fused):
+      return "fused"
+    return "missing"
+
+  def names(self, reader) -> list[str]:
+    if self._layout(reader) == "fused":
+      return [self.fused]
+    return [self.per_expert.format(e=e) for e in range(self.num_experts)]
+
+  def shape(self, reader) -> tuple[int, ...]:
+    if self._layout(reader) == "fused":
+      E, out_total, dim_in = reader.shape(self.fused)
+      if out_total % self.fused_parts:
+        raise CheckpointError(f"{self.fused}: dim 1 ({out_total}) does not split into "
+                              f"{self.fused_parts} equal parts")
+      return (E, dim_in, out_total // self.fused_parts)
+    shapes = {tuple(reader.shape(name)) for name in self.names(reader)}
+    if len(shapes) != 1:
+      raise CheckpointError(f"{self.per_expert}: experts have different shapes {sorted(shapes)}")
+    dim_out, dim_in = shapes.pop()
+    return (self.num_experts, dim_in, dim_out)
+
+  def read(self, reader, index) -> np.ndarray:
+    E, dim_in, dim_out = self.shape(reader)
+    e0, e1 = _bounds(index[0], E)
+    i0, i1 = _bounds(index[1], dim_in)
+    o0, o1 = _bounds(index[2], dim_out)
+    if self._layout(reader) == "fused":
+      base = self.fused_part * dim_out
+      w_eoi = reader.read(self.fused, (slice(e0, e1), slice(base + o0, base + o1), slice(i0, i1)))
+      return np.swapaxes(w_eoi, 1, 2)
+    return np.stack([reader.read(self.per_expert.format(e=e), (slice(o0, o1), slice(i0, i1))).T
+                     for e in range(e0, e1)])

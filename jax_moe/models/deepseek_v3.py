@@ -1,0 +1,279 @@
+"""DeepSeek-V3 (transformers' DeepseekV3ForCausalLM) in Flax NNX on jax_moe's expert exchange.
+
+Per layer: x += o(MLA(input RMSNorm(x))), then x += mlp(post-attention RMSNorm(x)), where mlp
+is a dense SwiGLU on the first `first_k_dense_replace` layers and elsewhere the DeepSeek MoE:
+routed experts chosen by sigmoid scores with group-limited top-k, plus shared experts that
+every token goes through. Multi-token-prediction layers (`num_nextn_predict_layers`, stored
+after the last decoder layer as `model.layers.{num_hidden_layers + i}`) are not part of the
+causal LM: the checkpoint map never names them, so the loader leaves them on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_moe.models import layers
+from jax_moe.models.base import Cache, CausalLM
+from jax_moe.models.checkpoint import CheckpointError, StackedExperts, Tensor
+from jax_moe.models.mla import MLAConfig, MultiHeadLatentAttention, init_mla_cache
+from jax_moe.models.moe import RoutedExperts
+from jax_moe.models.sharding import ShardingRules, param
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingConfig:
+  num_experts: int
+  top_k: int
+  n_group: int
+  topk_group: int
+  norm_topk_prob: bool
+  routed_scaling_factor: float
+
+  def __post_init__(self):
+    if self.n_group < 1 or self.num_experts % self.n_group:
+      raise CheckpointError(f"deepseek_v3: n_routed_experts ({self.num_experts}) must divide "
+                            f"into n_group ({self.n_group}) equal groups")
+    per_group = self.num_experts // self.n_group
+    if per_group < 2:
+      # A group's score is the sum of its two best experts.
+      raise CheckpointError(f"deepseek_v3: each of the n_group={self.n_group} groups needs at "
+                            f"least 2 experts, got {per_group}")
+    if not 1 <= self.topk_group <= self.n_group:
+      raise CheckpointError(f"deepseek_v3: topk_group must be in [1, n_group={self.n_group}], "
+                            f"got {self.topk_group}")
+    if not 1 <= self.top_k <= self.topk_group * per_group:
+      raise CheckpointError(f"deepseek_v3: num_experts_per_tok must be in [1, topk_group * "
+                            f"experts per group = {self.topk_group * per_group}], got {self.top_k}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV3Config:
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  moe_intermediate_size: int
+  num_hidden_layers: int
+  n_shared_experts: int
+  first_k_dense_replace: int
+  rms_norm_eps: float
+  tie_word_embeddings: bool
+  routing: RoutingConfig
+  attention: MLAConfig
+
+  @classmethod
+  def from_hf(cls, config: dict) -> "DeepseekV3Config":
+    def need(key):
+      if config.get(key) is None:
+        raise CheckpointError(f"deepseek_v3 config.json has no {key!r}")
+      return config[key]
+
+    # What DeepSeek-V3's own config.json states about its MoE; other values mean another
+    # model (DeepSeek-V2's softmax greedy routing, MoE on every k-th layer) built otherwise.
+    for key, supported in (("hidden_act", "silu"), ("scoring_func", "sigmoid"),
+                           ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+      if config.get(key, supported) != supported:
+        raise NotImplementedError(f"deepseek_v3: {key}={config[key]!r} is not supported "
+                                  f"(only {supported!r})")
+    num_experts = need("n_routed_experts")
+    routing = RoutingConfig(
+        num_experts=num_experts, top_k=need("num_experts_per_tok"),
+        n_group=config.get("n_group") or 1, topk_group=config.get("topk_group") or 1,
+        norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)))
+    for key in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim"):
+      need(key)
+    return cls(vocab_size=need("vocab_size"), hidden_size=need("hidden_size"),
+               intermediate_size=need("intermediate_size"),
+               moe_intermediate_size=need("moe_intermediate_size"),
+               num_hidden_layers=need("num_hidden_layers"),
+               n_shared_experts=config.get("n_shared_experts") or 0,
+               first_k_dense_replace=config.get("first_k_dense_replace") or 0,
+               rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+               tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+               routing=routing, attention=MLAConfig.from_hf(config))
+
+  def is_moe_layer(self, i: int) -> bool:
+    return i >= self.first_k_dense_replace
+
+
+def route(logits_te: jax.Array, bias_e: jax.Array, cfg: RoutingConfig):
+  """DeepSeek-V3 routing: (expert ids [T, K] int32, weights [T, K] f32) from router logits.
+
+  Scores are sigmoid(logits). Selection uses score + bias (the load-balancing correction,
+  learned outside the loss), limited to the `topk_group` groups whose two best biased scores
+  sum highest; the weights are the unbiased scores of the chosen experts, normalised to sum
+  1 when `norm_topk_prob`, then multiplied by `routed_scaling_factor`.
+  """
+  T, E = logits_te.shape
+  G = cfg.n_group
+  scores_te = jax.nn.sigmoid(logits_te.astype(jnp.float32))
+  choice_te = scores_te + bias_e.astype(jnp.float32)
+  best2_tg2, _ = jax.lax.top_k(choice_te.reshape(T, G, E // G), 2)
+  _, kept_groups_tj = jax.lax.top_k(best2_tg2.sum(-1), cfg.topk_group)
+  group_kept_tg = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], kept_groups_tj].set(True)
+  expert_kept_te = jnp.repeat(group_kept_tg, E // G, axis=1)
+  _, ids_tk = jax.lax.top_k(jnp.where(expert_kept_te, choice_te, -jnp.inf), cfg.top_k)
+  weights_tk = jnp.take_along_axis(scores_te, ids_tk, axis=1)
+  if cfg.norm_topk_prob:
+    weights_tk = weights_tk / (weights_tk.sum(-1, keepdims=True) + 1e-20)
+  return ids_tk.astype(jnp.int32), weights_tk * cfg.routed_scaling_factor
+
+
+class TopkRouter(nnx.Module):
+  """Router weight and selection bias, both f32 whatever the model dtype (as transformers
+  keeps them): the choice between near-equal experts should not depend on bf16 rounding."""
+
+  def __init__(self, cfg: RoutingConfig, hidden: int, *, rules: ShardingRules):
+    self.cfg = cfg
+    self.w_de = param(rules, (hidden, cfg.num_experts), ("embed", None), jnp.float32)
+    self.e_score_correction_bias = param(rules, (cfg.num_experts,), (None,), jnp.float32)
+
+  def __call__(self, x_td):
+    # Full f32 products (no TF32/bf16 passes on GPU): the router is tiny next to the experts.
+    logits_te = jnp.einsum("td,de->te", x_td.astype(jnp.float32), self.w_de[...],
+                           precision=jax.lax.Precision.HIGHEST)
+    return route(logits_te, self.e_score_correction_bias[...], self.cfg)
+
+
+class DeepseekV3MoE(nnx.Module):
+  """Routed experts through jax_moe's exchange, plus the shared experts on every token."""
+
+  def __init__(self, cfg: DeepseekV3Config, *, rules, pool, dtype, wire):
+    routing = cfg.routing
+    self.gate = TopkRouter(routing, cfg.hidden_size, rules=rules)
+    self.experts = RoutedExperts(routing.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                 experts_per_token=routing.top_k, rules=rules, pool=pool,
+                                 dtype=dtype, wire=wire)
+    self.shared_experts = (layers.DenseMLP(cfg.hidden_size,
+                                           cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                           rules=rules, dtype=dtype)
+                           if cfg.n_shared_experts else None)
+
+  def __call__(self, x_bsd):
+    ids_tk, weights_tk = self.gate(x_bsd.reshape(-1, x_bsd.shape[-1]))
+    y_bsd = self.experts(x_bsd, ids_tk, weights_tk)
+    return y_bsd if self.shared_experts is None else y_bsd + self.shared_experts(x_bsd)
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, cfg: DeepseekV3Config, i: int, *, rules, pool, dtype, wire):
+    norm = lambda: layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rules=rules, dtype=dtype)
+    self.input_layernorm = norm()
+    self.self_attn = MultiHeadLatentAttention(cfg.attention, rules=rules, dtype=dtype)
+    self.post_attention_layernorm = norm()
+    self.is_moe = cfg.is_moe_layer(i)
+    if self.is_moe:
+      self.mlp = DeepseekV3MoE(cfg, rules=rules, pool=pool, dtype=dtype, wire=wire)
+    else:
+      self.mlp = layers.DenseMLP(cfg.hidden_size, cfg.intermediate_size, rules=rules, dtype=dtype)
+
+  def __call__(self, x_bsd, positions_bs, cache=None, index=None):
+    h_bsd, cache = self.self_attn(self.input_layernorm(x_bsd), positions_bs, cache, index)
+    x_bsd = x_bsd + h_bsd
+    return x_bsd + self.mlp(self.post_attention_layernorm(x_bsd)), cache
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+  """DeepSeek-V3 causal LM; see base.CausalLM for the contract. The KV cache holds MLA's
+  compressed latent and rotary key per layer (mla.MLACache)."""
+
+  def __init__(self, config: dict, *, rules: ShardingRules, backend: str = "auto",
+               dtype=jnp.bfloat16, wire: str | None = None):
+    super().__init__(rules, backend, dtype)
+    cfg = self.cfg = DeepseekV3Config.from_hf(config)
+    kw = dict(rules=rules, dtype=self.dtype)
+    self.embed_tokens = layers.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+    self.layers = nnx.List([DecoderLayer(cfg, i, pool=self.pool, wire=wire, **kw)
+                            for i in range(cfg.num_hidden_layers)])
+    self.norm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+    self.lm_head = (None if cfg.tie_word_embeddings else
+                    layers.Linear(cfg.hidden_size, cfg.vocab_size, logical_axes=("embed", "vocab"),
+                                  **kw))
+
+  @property
+  def vocab_size(self) -> int:
+    return self.cfg.vocab_size
+
+  def __call__(self, input_ids_bs, *, cache: Cache | None = None):
+    index, positions_bs = self.token_positions(input_ids_bs, cache)
+    x_bsd, new_layers = self.run_layers(
+        self.embed_tokens(input_ids_bs), cache,
+        lambda layer, x_bsd, layer_cache: layer(x_bsd, positions_bs, layer_cache, index))
+    return self.final_logits(x_bsd, self.embed_tokens, cache, new_layers)
+
+  def init_cache(self, batch: int, max_len: int) -> Cache:
+    def place(array_bsx):
+      return jax.device_put(array_bsx, self.rules.sharding(array_bsx.shape, ("batch", None, None)))
+
+    return Cache(layers=tuple(
+        jax.tree.map(place, init_mla_cache(self.cfg.attention, batch, max_len, self.dtype))
+        for _ in self.layers), index=jnp.int32(0))
+
+  def init_scale(self, path: tuple, shape: tuple) -> float | None:
+    # The selection bias starts at zero in training; ones would do too (a shift common to
+    # all experts), but zeros say what it is.
+    if path[-1] == "e_score_correction_bias":
+      return 0.0
+    return super().init_scale(path, shape)
+
+  def checkpoint_map(self) -> dict:
+    cfg = self.cfg
+    linear = lambda name: Tensor(name + ".weight", transpose=True)
+    sources = {("embed_tokens", "table_vd"): Tensor("model.embed_tokens.weight"),
+               ("norm", "weight"): Tensor("model.norm.weight")}
+    if self.lm_head is not None:
+      sources[("lm_head", "w")] = linear("lm_head")
+    for i, layer in enumerate(self.layers):
+      p = f"model.layers.{i}"
+      at = lambda *names: ("layers", i, *names)
+      for norm in ("input_layernorm", "post_attention_layernorm"):
+        sources[at(norm, "weight")] = Tensor(f"{p}.{norm}.weight")
+      sources.update(_attention_sources(layer.self_attn, at("self_attn"), f"{p}.self_attn"))
+      if layer.is_moe:
+        sources[at("mlp", "gate", "w_de")] = linear(f"{p}.mlp.gate")
+        sources[at("mlp", "gate", "e_score_correction_bias")] = Tensor(
+            f"{p}.mlp.gate.e_score_correction_bias")
+        sources.update(_routed_expert_sources(at("mlp", "experts"), f"{p}.mlp.experts",
+                                              cfg.routing.num_experts))
+        if layer.mlp.shared_experts is not None:
+          sources.update(_dense_mlp_sources(at("mlp", "shared_experts"),
+                                            f"{p}.mlp.shared_experts"))
+      else:
+        sources.update(_dense_mlp_sources(at("mlp"), f"{p}.mlp"))
+    return sources
+
+
+def _attention_sources(attn: MultiHeadLatentAttention, path: tuple, prefix: str) -> dict:
+  """Every Linear (w, and b where present) and RMSNorm of one MLA under its HF name."""
+  sources = {}
+  for name, module in vars(attn).items():
+    if isinstance(module, layers.Linear):
+      sources[(*path, name, "w")] = Tensor(f"{prefix}.{name}.weight", transpose=True)
+      if module.b is not None:
+        sources[(*path, name, "b")] = Tensor(f"{prefix}.{name}.bias")
+    elif isinstance(module, layers.RMSNorm):
+      sources[(*path, name, "weight")] = Tensor(f"{prefix}.{name}.weight")
+  return sources
+
+
+def _dense_mlp_sources(path: tuple, prefix: str) -> dict:
+  return {(*path, param_name): Tensor(f"{prefix}.{proj}.weight", transpose=True)
+          for param_name, proj in (("w_gate_df", "gate_proj"), ("w_up_df", "up_proj"),
+                                   ("w_down_fd", "down_proj"))}
+
+
+def _routed_expert_sources(path: tuple, prefix: str, num_experts: int) -> dict:
+  """Per-expert keys (`experts.{e}.gate_proj.weight`, what checkpoints hold) or the fused
+  [E, 2F, D] / [E, D, F] tensors that transformers >= 5 writes with save_original_format=False."""
+  parts = (("w_gate_edf", "gate_proj", "gate_up_proj", 0, 2),
+           ("w_up_edf", "up_proj", "gate_up_proj", 1, 2),
+           ("w_down_efd", "down_proj", "down_proj", 0, 1))
+  return {(*path, param_name): StackedExperts(f"{prefix}.{{e}}.{proj}.weight", num_experts,
+                                              fused=f"{prefix}.{fused}", fused_part=part,
+                                              fused_parts=count)
+          for param_name, proj, fused, part, count in parts}

@@ -1,0 +1,200 @@
+"""Loads Hugging Face safetensors checkpoints into abstract models, or fills them randomly.
+
+`CheckpointReader` memory-maps every shard (model.safetensors or the shards named by
+model.safetensors.index.json) and reads only the slice asked for, so each device's part of a
+sharded weight is read from disk without a full host copy (`jax.make_array_from_callback`).
+bf16 and fp8 tensors are viewed with ml_dtypes; fp8 weights that come with a
+`weight_scale_inv` are dequantized by `fp8_weights.dequantize_block_fp8` (DeepSeek).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import struct
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from jax_moe.models.checkpoint import CheckpointError
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+SCALE_SUFFIX = "_scale_inv"
+
+
+def load_config(path: str) -> dict:
+  config_path = os.path.join(path, "config.json")
+  if not os.path.isfile(config_path):
+    raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model directory)")
+  with open(config_path) as f:
+    return json.load(f)
+
+
+def _shard_files(path: str) -> list[str]:
+  index_path = os.path.join(path, "model.safetensors.index.json")
+  if os.path.isfile(index_path):
+    with open(index_path) as f:
+      weight_map = json.load(f)["weight_map"]
+    return sorted({os.path.join(path, name) for name in weight_map.values()})
+  single = os.path.join(path, "model.safetensors")
+  if os.path.isfile(single):
+    return [single]
+  raise CheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+
+
+class CheckpointReader:
+  """Lazy access to the tensors of one checkpoint directory (all its safetensors shards)."""
+
+  def __init__(self, path: str, config: dict | None = None):
+    self.path = path
+    self.config = config if config is not None else load_config(path)
+    self._entries = {}  # name -> (memmap of the file's data section, dtype, shape, offsets)
+    for file in _shard_files(path):
+      if not os.path.isfile(file):
+        raise CheckpointError(f"{path}: shard {os.path.basename(file)} named by the index is missing")
+      with open(file, "rb") as f:
+        header_len = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(header_len))
+      data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_len)
+      for name, entry in header.items():
+        if name == "__metadata__":
+          continue
+        if entry["dtype"] not in _DTYPES:
+          raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {entry['dtype']}")
+        self._entries[name] = (data, np.dtype(_DTYPES[entry["dtype"]]), tuple(entry["shape"]),
+                               tuple(entry["data_offsets"]))
+
+  def names(self) -> list[str]:
+    return sorted(self._entries)
+
+  def has(self, name: str) -> bool:
+    return name in self._entries
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    if name not in self._entries:
+      raise CheckpointError(f"{self.path}: checkpoint has no tensor {name!r}")
+    return self._entries[name][2]
+
+  def _array(self, name: str) -> np.ndarray:
+    data, dtype, shape, (begin, end) = self._entries[name]
+    return data[begin:end].view(dtype).reshape(shape)
+
+  def read(self, name: str, index=None) -> np.ndarray:
+    """The slice `index` (a tuple of slices, default all) of tensor `name`, as a numpy copy."""
+    index = tuple(index) if index is not None else (slice(None),) * len(self.shape(name))
+    scale_name = name + SCALE_SUFFIX
+    if self.has(scale_name):
+      from jax_moe.models import fp8_weights
+      block = fp8_weights.block_size_from_config(self.config) or fp8_weights.DEFAULT_BLOCK
+      full = fp8_weights.dequantize_block_fp8(self._array(name), self._array(scale_name), block)
+      return np.ascontiguousarray(full[index])
+    return np.array(self._array(name)[index])
+
+
+def _flat_params(model):
+  return nnx.to_flat_state(nnx.state(model, nnx.Param))
+
+
+def _progress(items, desc: str, show: bool):
+  if not show:
+    return items
+  from tqdm import tqdm
+  return tqdm(items, desc=desc, unit="tensor", leave=False)
+
+
+def _place(abstract: jax.ShapeDtypeStruct, read_slice):
+  """A global array with the parameter's sharding whose shards come from read_slice(index).
+
+  Devices holding the same slice (replicated parameters) ask for it one after another: the
+  last slice read is reused, so it is read from disk once. Host memory peaks at one copy of
+  the parameter (the slices of all local devices), never one full copy per device.
+  """
+  last = {}
+
+  def callback(index):
+    key = tuple((s.start, s.stop) for s in index)
+    if key not in last:
+      last.clear()
+      last[key] = np.asarray(read_slice(index)).astype(abstract.dtype)
+    return last[key]
+
+  return jax.make_array_from_callback(abstract.shape, abstract.sharding, callback)
+
+
+def _path_name(path) -> str:
+  return ".".join(str(p) for p in path)
+
+
+def check_checkpoint(model, reader: CheckpointReader) -> dict:
+  """Checks the map covers every parameter and every tensor exists with the right shape."""
+  sources = model.checkpoint_map()
+  params = dict(_flat_params(model))
+  unmapped = sorted(_path_name(p) for p in params if p not in sources)
+  if unmapped:
+    raise CheckpointError(f"{type(model).__name__}.checkpoint_map() misses parameters {unmapped}")
+  for path, variable in params.items():
+    source = sources[path]
+    missing = [name for name in source.names(reader) if not reader.has(name)]
+    if missing:
+      alternative = f" (or fused tensor {source.fused!r})" if getattr(source, "fused", None) else ""
+      raise CheckpointError(f"{reader.path}: missing tensor {missing[0]!r}{alternative} for "
+                            f"parameter {_path_name(path)} ({len(missing)} missing in all)")
+    expected = tuple(variable.get_value().shape)
+    got = tuple(source.shape(reader))
+    if got != expected:
+      raise CheckpointError(f"{reader.path}: tensor {source.names(reader)[0]!r} gives shape {got} "
+                            f"for parameter {_path_name(path)}, the config expects {expected}")
+  return sources
+
+
+def load_weights(model, reader: CheckpointReader, progress: bool = True):
+  """Fills the abstract parameters of `model` from the checkpoint, each with its sharding."""
+  sources = check_checkpoint(model, reader)
+  graphdef, state = nnx.split(model)
+  flat = nnx.to_flat_state(state)
+  for path, variable in _progress(list(flat), f"loading {os.path.basename(reader.path)}", progress):
+    if not isinstance(variable, nnx.Param):
+      continue
+    source = sources[path]
+    variable.set_value(_place(variable.get_value(), lambda index, s=source: s.read(reader, index)))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def random_weights(model, seed: int = 0):
+  """Fills the abstract parameters with random values (normal * init_scale, norms = 1).
+
+  Each parameter is drawn on device with its own key (fold_in of its position), with its
+  sharding as the output sharding, so large synthetic models never pass through the host.
+  """
+  graphdef, state = nnx.split(model)
+  flat = nnx.to_flat_state(state)
+  key = jax.random.key(seed)
+  for i, (path, variable) in enumerate(flat):
+    if not isinstance(variable, nnx.Param):
+      continue
+    abstract = variable.get_value()
+    scale = model.init_scale(path, abstract.shape)
+    variable.set_value(_random_array(jax.random.fold_in(key, i), abstract, scale))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _random_array(key, abstract: jax.ShapeDtypeStruct, scale: float | None):
+  return _random_fn(abstract.shape, abstract.dtype, abstract.sharding, scale)(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _random_fn(shape, dtype, sharding, scale):
+  """One compiled draw per (shape, dtype, sharding, scale): layers share them."""
+  def draw(key):
+    if scale is None:
+      return jax.numpy.ones(shape, dtype)
+    return (jax.random.normal(key, shape, jax.numpy.float32) * scale).astype(dtype)
+  return jax.jit(draw, out_shardings=sharding)

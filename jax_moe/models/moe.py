@@ -1,0 +1,224 @@
+"""The routed-expert block of both models: jax_moe dispatch -> ragged_dot SwiGLU -> combine.
+
+Contract (what the models rely on):
+
+  experts = RoutedExperts(num_experts, dim, hidden, experts_per_token=K, rules=..., pool=...,
+                          dtype=...)
+  y_td = experts(x_td, topk_ids_tk, topk_weights_tk)
+
+  - `x_td` [T, D] in the model dtype (or [B, S, D]; the leading dims are flattened and
+    restored). Routing is the model's job: `topk_ids_tk` [T, K] int32 (`-1` = slot unused),
+    `topk_weights_tk` [T, K] f32, already normalised/scaled as the model wants; the block
+    returns sum_k w[t, k] * expert_{ids[t, k]}(x[t]) in the model dtype.
+  - Weights `w_gate_edf`, `w_up_edf` [E, D, F] and `w_down_efd` [E, F, D], sharded over
+    the expert axis (logical axis "experts"): device r holds experts [r*L, (r+1)*L).
+  - Tokens are data-parallel over the same axis: T is padded to R * ceil(T / R) and each
+    device dispatches its ceil(T / R) rows (the real count is passed as `num_tokens`, so
+    padding rows are never sent). Works inside or outside jit, with any jax_moe backend.
+  - Communicators allocate, so they are built outside jit: one per MoEConfig (one per
+    per-shard token count), cached in a `CommunicatorPool` shared by all layers of a model.
+    Call `pool.prepare(num_tokens)` (models do it in `prepare(batch, seq)`) before tracing
+    a call with that many tokens; an eager call builds what it needs itself.
+
+Wire formats (`wire`):
+  "bf16"  tokens and expert outputs travel in bf16, combine sums in f32 (the serving path).
+  "fp8"   tokens travel as e4m3 with block scales (hidden % 128 == 0), outputs in bf16.
+  "exact" for f32 models (parity tests): each f32 row is split into three bf16 parts whose
+          sum is the f32 value exactly, and every (token, slot) pair travels as its own
+          token routed to one expert with weight 1, so combine returns each expert output
+          unrounded and the weighted sum over k happens in f32 on the source. It moves
+          3x the bytes of "bf16" and is not meant for speed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import jax_moe as jm
+from jax_moe.models.sharding import ShardingRules, param
+from jax_moe.sharding import shard_map
+
+WIRES = ("exact", "bf16", "fp8")
+
+
+def default_wire(dtype) -> str:
+  return "exact" if jnp.dtype(dtype) == jnp.float32 else "bf16"
+
+
+def split_f32(x):
+  """f32 [..., D] -> bf16 [..., 3D] (hi, mid, lo) with hi + mid + lo == x exactly.
+
+  Each part takes the next 8 significant bits of what is left; f32 has 24, and bf16 keeps
+  f32's exponent range, so the residual after three parts is zero (for normal values whose
+  bf16 rounding does not overflow, i.e. |x| below about 3.39e38, and whose last part stays
+  above the subnormal range, about |x| > 2^-110).
+  """
+  x = x.astype(jnp.float32)
+  hi = x.astype(jnp.bfloat16)
+  rest = x - hi.astype(jnp.float32)
+  mid = rest.astype(jnp.bfloat16)
+  lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+  return jnp.concatenate([hi, mid, lo], axis=-1)
+
+
+def join_f32(parts):
+  """Inverse of split_f32: bf16 [..., 3D] -> f32 [..., D]; sums lo + mid first, then hi."""
+  hi, mid, lo = jnp.split(parts.astype(jnp.float32), 3, axis=-1)
+  return hi + (mid + lo)
+
+
+class CommunicatorPool:
+  """One jm.Communicator per MoEConfig on one mesh axis, built outside jit and reused.
+
+  Layers register the config template of their exchange (`register`); `prepare(num_tokens)`
+  builds the communicators for a call with `num_tokens` tokens in total; `get(cfg)` returns
+  one, building it when not inside a trace. Hashable by identity, so models keep it as a
+  static attribute.
+  """
+
+  def __init__(self, rules: ShardingRules, backend: str = "auto"):
+    self.rules = rules
+    self.backend = backend
+    self._layers = []
+    self._comms: dict[jm.MoEConfig, jm.Communicator] = {}
+
+  def register(self, layer: "RoutedExperts") -> None:
+    self._layers.append(layer)
+
+  def prepare(self, num_tokens: int) -> None:
+    for layer in self._layers:
+      self.get(layer.moe_config(num_tokens), tracing=False)
+
+  def get(self, cfg: jm.MoEConfig, tracing: bool) -> jm.Communicator:
+    comm = self._comms.get(cfg)
+    if comm is None:
+      if tracing:
+        raise RuntimeError(
+            f"RoutedExperts: no Communicator for max_tokens={cfg.max_tokens} per shard; "
+            "communicators allocate and must be built outside jit: call "
+            "model.prepare(batch, seq) with the shape of this call before jit-compiling it")
+      comm = jm.Communicator(cfg, self.rules.mesh, axis=self.rules.axis, backend=self.backend)
+      self._comms[cfg] = comm
+    return comm
+
+  @property
+  def backend_name(self) -> str:
+    """The backend the communicators use ('auto' resolved as Communicator resolves it)."""
+    if self.backend != "auto":
+      return self.backend
+    return jm.available_backends(self.rules.mesh.devices.flat[0].platform)[-1]
+
+  def check(self) -> None:
+    """Raises jm.CommError for a run-time error any communicator recorded."""
+    for comm in self._comms.values():
+      comm.check()
+
+  def close(self) -> None:
+    for comm in self._comms.values():
+      comm.close()
+    self._comms.clear()
+
+
+class RoutedExperts(nnx.Module):
+  """E SwiGLU experts, sharded over the expert axis, fed through jax_moe dispatch/combine."""
+
+  def __init__(self, num_experts: int, dim: int, hidden: int, *, experts_per_token: int,
+               rules: ShardingRules, pool: CommunicatorPool, dtype, wire: str | None = None):
+    wire = wire or default_wire(dtype)
+    if wire not in WIRES:
+      raise ValueError(f"RoutedExperts: wire must be one of {WIRES}, got {wire!r}")
+    if num_experts % rules.axis_size:
+      raise ValueError(f"RoutedExperts: num_experts ({num_experts}) must be divisible by the "
+                       f"expert axis size ({rules.axis_size})")
+    self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+    self.experts_per_token = experts_per_token
+    self.wire = wire
+    self.rules = rules
+    self.pool = pool
+    self.w_gate_edf = param(rules, (num_experts, dim, hidden), ("experts", "embed", "mlp"), dtype)
+    self.w_up_edf = param(rules, (num_experts, dim, hidden), ("experts", "embed", "mlp"), dtype)
+    self.w_down_efd = param(rules, (num_experts, hidden, dim), ("experts", "mlp", "embed"), dtype)
+    pool.register(self)
+
+  def tokens_per_shard(self, num_tokens: int) -> int:
+    return max(1, math.ceil(num_tokens / self.rules.axis_size))
+
+  def moe_config(self, num_tokens: int) -> jm.MoEConfig:
+    """The exchange for a call with `num_tokens` tokens in total (all shards)."""
+    per_shard = self.tokens_per_shard(num_tokens)
+    if self.wire == "exact":
+      return jm.MoEConfig(num_experts=self.num_experts, experts_per_token=1, hidden=3 * self.dim,
+                          max_tokens=per_shard * self.experts_per_token,
+                          dispatch_dtype=jnp.bfloat16)
+    return jm.MoEConfig(num_experts=self.num_experts, experts_per_token=self.experts_per_token,
+                        hidden=self.dim, max_tokens=per_shard,
+                        dispatch_dtype=jnp.float8_e4m3fn if self.wire == "fp8" else jnp.bfloat16)
+
+  def __call__(self, x_td, topk_ids_tk, topk_weights_tk):
+    lead_shape = x_td.shape[:-1]
+    D, K = self.dim, self.experts_per_token
+    x_td = x_td.reshape(-1, D)
+    T = x_td.shape[0]
+    if topk_ids_tk.reshape(-1, K).shape[0] != T or topk_weights_tk.reshape(-1, K).shape[0] != T:
+      raise ValueError(f"RoutedExperts: topk_ids {topk_ids_tk.shape} and topk_weights "
+                       f"{topk_weights_tk.shape} must have {T} rows of K={K}, like x {x_td.shape}")
+    ids_tk = topk_ids_tk.reshape(T, K).astype(jnp.int32)
+    weights_tk = topk_weights_tk.reshape(T, K).astype(jnp.float32)
+    cfg = self.moe_config(T)
+    comm = self.pool.get(cfg, tracing=isinstance(x_td, jax.core.Tracer))
+    R, Tp = self.rules.axis_size, self.tokens_per_shard(T)
+    pad = R * Tp - T
+    x_td = jnp.pad(x_td, ((0, pad), (0, 0)))
+    ids_tk = jnp.pad(ids_tk, ((0, pad), (0, 0)), constant_values=-1)
+    weights_tk = jnp.pad(weights_tk, ((0, pad), (0, 0)))
+    per_shard = self._exact_shard if self.wire == "exact" else self._wire_shard
+    ax = self.rules.axis
+    fn = shard_map(lambda *a: per_shard(comm, T, Tp, *a), self.rules.mesh,
+                   in_specs=(P(ax), P(ax), P(ax), P(ax), P(ax), P(ax)), out_specs=P(ax))
+    y_td = fn(x_td, ids_tk, weights_tk, self.w_gate_edf[...], self.w_up_edf[...],
+              self.w_down_efd[...])
+    return y_td[:T].reshape(*lead_shape, D)
+
+  # ---------------------------------------------------------------- per shard
+  def _real_tokens(self, T: int, Tp: int):
+    """Rows of this shard that hold real tokens: the rest is padding and is not sent."""
+    start = jax.lax.axis_index(self.rules.axis) * Tp
+    return jnp.clip(T - start, 0, Tp).astype(jnp.int32)
+
+  @staticmethod
+  def _experts(rows, group_sizes, w_gate, w_up, w_down, precision):
+    """SwiGLU of each row with its local expert: grouped GEMMs over the dispatched layout."""
+    dot = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, precision=precision,
+                                          preferred_element_type=jnp.float32)
+    gate, up = dot(rows, w_gate), dot(rows, w_up)
+    h = (jax.nn.silu(gate) * up).astype(w_down.dtype)
+    return dot(h, w_down)
+
+  def _wire_shard(self, comm, T, Tp, x_td, ids_tk, weights_tk, w_gate, w_up, w_down):
+    r = comm.dispatch(x_td.astype(jnp.bfloat16), ids_tk, weights_tk, self._real_tokens(T, Tp))
+    rows = (jm.dequantize_fp8(r.x, r.scales, jnp.bfloat16) if comm.cfg.is_fp8 else r.x)
+    y = self._experts(rows.astype(w_gate.dtype), r.group_sizes, w_gate, w_up, w_down, None)
+    out = comm.combine(y.astype(jnp.bfloat16), r.handle)
+    return out.astype(x_td.dtype)
+
+  def _exact_shard(self, comm, T, Tp, x_td, ids_tk, weights_tk, w_gate, w_up, w_down):
+    K = self.experts_per_token
+    # every (token, slot) becomes its own token with one expert and weight 1
+    x_parts = jnp.repeat(split_f32(x_td), K, axis=0)                    # [Tp*K, 3D]
+    ids = ids_tk.reshape(Tp * K, 1)
+    ones = jnp.where(ids >= 0, 1.0, 0.0).astype(jnp.float32)
+    r = comm.dispatch(x_parts, ids, ones, self._real_tokens(T, Tp) * K)
+    rows = join_f32(r.x)
+    y = self._experts(rows, r.group_sizes, w_gate.astype(jnp.float32), w_up.astype(jnp.float32),
+                      w_down.astype(jnp.float32), jax.lax.Precision.HIGHEST)
+    y_parts = comm.combine(split_f32(y), r.handle)                      # [Tp*K, 3D], exact
+    y_tkd = join_f32(y_parts).reshape(Tp, K, self.dim)
+    out = jnp.zeros((Tp, self.dim), jnp.float32)
+    for k in range(K):  # fixed k order, f32
+      out = out + weights_tk[:, k:k + 1] * y_tkd[:, k]
+    return out.astype(x_td.dtype)

@@ -1,0 +1,213 @@
+"""Qwen3-MoE (transformers' Qwen3MoeForCausalLM) in Flax NNX on jax_moe's expert exchange.
+
+Per layer: x += o(attn(rope(q_norm(q x)), rope(k_norm(k x)), v x)) after input RMSNorm, then
+x += mlp(post-attention RMSNorm(x)) where mlp is the routed MoE (softmax over E experts in
+f32, top-k, renormalised when `norm_topk_prob`) on layers with (i + 1) % decoder_sparse_step
+== 0 that are not in `mlp_only_layers`, and a dense SwiGLU MLP elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_moe.models import layers
+from jax_moe.models.attention import gqa_attention, update_kv
+from jax_moe.models.base import Cache, CausalLM
+from jax_moe.models.checkpoint import CheckpointError, StackedExperts, Tensor, linear
+from jax_moe.models.moe import RoutedExperts
+from jax_moe.models.sharding import ShardingRules
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3MoeConfig:
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  moe_intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  num_experts: int
+  num_experts_per_tok: int
+  norm_topk_prob: bool
+  decoder_sparse_step: int
+  mlp_only_layers: tuple[int, ...]
+  rms_norm_eps: float
+  rope_theta: float
+  tie_word_embeddings: bool
+  attention_bias: bool
+
+  @classmethod
+  def from_hf(cls, config: dict) -> "Qwen3MoeConfig":
+    def need(key, *aliases):
+      for name in (key, *aliases):
+        if name in config:
+          return config[name]
+      raise CheckpointError(f"qwen3_moe config.json has no {key!r}")
+
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+      raise NotImplementedError(f"qwen3_moe: rope_type {rope_type!r} is not supported (default only)")
+    if config.get("use_sliding_window"):
+      raise NotImplementedError("qwen3_moe: use_sliding_window=true is not supported")
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    return cls(
+        vocab_size=need("vocab_size"), hidden_size=hidden,
+        intermediate_size=need("intermediate_size"),
+        moe_intermediate_size=need("moe_intermediate_size"),
+        num_hidden_layers=need("num_hidden_layers"), num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads", heads),
+        head_dim=config.get("head_dim") or hidden // heads,
+        num_experts=need("num_experts", "num_local_experts"),
+        num_experts_per_tok=need("num_experts_per_tok"),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        decoder_sparse_step=config.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=bool(config.get("attention_bias", False)))
+
+  def is_moe_layer(self, i: int) -> bool:
+    return (i not in self.mlp_only_layers and self.num_experts > 0
+            and (i + 1) % self.decoder_sparse_step == 0)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: Qwen3MoeConfig, *, rules: ShardingRules, dtype):
+    D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
+    kw = dict(rules=rules, dtype=dtype, bias=cfg.attention_bias)
+    self.q = layers.Linear(D, N * H, logical_axes=("embed", "heads"), **kw)
+    self.k = layers.Linear(D, K * H, logical_axes=("embed", "kv_heads"), **kw)
+    self.v = layers.Linear(D, K * H, logical_axes=("embed", "kv_heads"), **kw)
+    self.o = layers.Linear(N * H, D, logical_axes=("heads", "embed"), **kw)
+    self.q_norm = layers.RMSNorm(H, cfg.rms_norm_eps, rules=rules, dtype=dtype,
+                                 logical_axis="head_dim")
+    self.k_norm = layers.RMSNorm(H, cfg.rms_norm_eps, rules=rules, dtype=dtype,
+                                 logical_axis="head_dim")
+
+  def __call__(self, x_bsd, cos, sin, positions_bs, kv_cache=None, index=None):
+    B, S, _ = x_bsd.shape
+    q_bsnh = self.q_norm(self.q(x_bsd).reshape(B, S, self.num_heads, self.head_dim))
+    k_bskh = self.k_norm(self.k(x_bsd).reshape(B, S, self.num_kv_heads, self.head_dim))
+    v_bskh = self.v(x_bsd).reshape(B, S, self.num_kv_heads, self.head_dim)
+    q_bsnh, k_bskh = layers.apply_rope(q_bsnh, cos, sin), layers.apply_rope(k_bskh, cos, sin)
+    if kv_cache is None:
+      k_btkh, v_btkh = k_bskh, v_bskh
+    else:
+      k_btkh, v_btkh = kv_cache = update_kv(*kv_cache, k_bskh, v_bskh, index)
+    kv_positions_t = jnp.arange(k_btkh.shape[1], dtype=jnp.int32)
+    out = gqa_attention(q_bsnh, k_btkh, v_btkh, positions_bs, kv_positions_t,
+                        self.head_dim ** -0.5)
+    return self.o(out.reshape(B, S, -1)), kv_cache
+
+
+class SparseMoe(nnx.Module):
+  """Softmax top-k router + routed experts (no shared expert in Qwen3-MoE)."""
+
+  def __init__(self, cfg: Qwen3MoeConfig, *, rules, pool, dtype, wire):
+    self.top_k = cfg.num_experts_per_tok
+    self.norm_topk_prob = cfg.norm_topk_prob
+    self.router = layers.Linear(cfg.hidden_size, cfg.num_experts, logical_axes=("embed", None),
+                                rules=rules, dtype=dtype)
+    self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                 experts_per_token=cfg.num_experts_per_tok, rules=rules,
+                                 pool=pool, dtype=dtype, wire=wire)
+
+  def __call__(self, x_bsd):
+    logits = self.router(x_bsd)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, self.top_k)
+    if self.norm_topk_prob:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    # transformers casts the routing weights to the activation dtype before using them
+    weights = weights.astype(x_bsd.dtype).astype(jnp.float32)
+    return self.experts(x_bsd, ids.astype(jnp.int32), weights)
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, cfg: Qwen3MoeConfig, i: int, *, rules, pool, dtype, wire):
+    self.input_norm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rules=rules, dtype=dtype)
+    self.attn = Attention(cfg, rules=rules, dtype=dtype)
+    self.post_attn_norm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rules=rules,
+                                         dtype=dtype)
+    self.is_moe = cfg.is_moe_layer(i)
+    if self.is_moe:
+      self.mlp = SparseMoe(cfg, rules=rules, pool=pool, dtype=dtype, wire=wire)
+    else:
+      self.mlp = layers.DenseMLP(cfg.hidden_size, cfg.intermediate_size, rules=rules, dtype=dtype)
+
+  def __call__(self, x_bsd, cos, sin, positions_bs, kv_cache=None, index=None):
+    h, kv_cache = self.attn(self.input_norm(x_bsd), cos, sin, positions_bs, kv_cache, index)
+    x_bsd = x_bsd + h
+    return x_bsd + self.mlp(self.post_attn_norm(x_bsd)), kv_cache
+
+
+class Qwen3MoeForCausalLM(CausalLM):
+  """Qwen3-MoE causal LM; see base.CausalLM for the contract."""
+
+  def __init__(self, config: dict, *, rules: ShardingRules, backend: str = "auto",
+               dtype=jnp.bfloat16, wire: str | None = None):
+    super().__init__(rules, backend, dtype)
+    cfg = self.cfg = Qwen3MoeConfig.from_hf(config)
+    self.init_trunk(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, cfg.tie_word_embeddings,
+                    cfg.num_hidden_layers,
+                    lambda i: DecoderLayer(cfg, i, rules=rules, pool=self.pool, dtype=self.dtype,
+                                           wire=wire))
+
+  @property
+  def vocab_size(self) -> int:
+    return self.cfg.vocab_size
+
+  def __call__(self, input_ids_bs, *, cache: Cache | None = None):
+    index, positions_bs = self.token_positions(input_ids_bs, cache)
+    inv_freq = layers.rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta)
+    cos, sin = layers.rope_cos_sin(positions_bs, inv_freq, self.dtype)
+    x_bsd, new_layers = self.run_layers(
+        self.embed_tokens(input_ids_bs), cache,
+        lambda layer, x_bsd, kv: layer(x_bsd, cos, sin, positions_bs, kv, index))
+    return self.final_logits(x_bsd, self.embed_tokens, cache, new_layers)
+
+  def init_cache(self, batch: int, max_len: int) -> Cache:
+    shape = (batch, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim)
+    sharding = self.rules.sharding(shape, ("batch", None, None, None))
+    zeros = lambda: jax.device_put(jnp.zeros(shape, self.dtype), sharding)
+    return Cache(layers=tuple((zeros(), zeros()) for _ in self.layers), index=jnp.int32(0))
+
+  def checkpoint_map(self) -> dict:
+    cfg = self.cfg
+    sources = self.trunk_checkpoint_map()
+    for i, layer in enumerate(self.layers):
+      p = f"model.layers.{i}"
+      sources[("layers", i, "input_norm", "weight")] = Tensor(f"{p}.input_layernorm.weight")
+      sources[("layers", i, "post_attn_norm", "weight")] = Tensor(
+          f"{p}.post_attention_layernorm.weight")
+      for name in ("q", "k", "v", "o"):
+        sources[("layers", i, "attn", name, "w")] = linear(f"{p}.self_attn.{name}_proj")
+        if cfg.attention_bias:
+          sources[("layers", i, "attn", name, "b")] = Tensor(f"{p}.self_attn.{name}_proj.bias")
+      for name in ("q_norm", "k_norm"):
+        sources[("layers", i, "attn", name, "weight")] = Tensor(f"{p}.self_attn.{name}.weight")
+      if layer.is_moe:
+        sources[("layers", i, "mlp", "router", "w")] = linear(f"{p}.mlp.gate")
+        experts = f"{p}.mlp.experts"
+        E = cfg.num_experts
+        for param, proj, fused, part, parts in (
+            ("w_gate_edf", "gate_proj", "gate_up_proj", 0, 2),
+            ("w_up_edf", "up_proj", "gate_up_proj", 1, 2),
+            ("w_down_efd", "down_proj", "down_proj", 0, 1)):
+          sources[("layers", i, "mlp", "experts", param)] = StackedExperts(
+              f"{experts}.{{e}}.{proj}.weight", E, fused=f"{experts}.{fused}", fused_part=part,
+              fused_parts=parts)
+      else:
+        for param, proj in (("w_gate_df", "gate_proj"), ("w_up_df", "up_proj"),
+                            ("w_down_fd", "down_proj")):
+          sources[("layers", i, "mlp", param)] = linear(f"{p}.mlp.{proj}")
+    return sources

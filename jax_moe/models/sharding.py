@@ -1,0 +1,102 @@
+"""Logical-axis sharding rules for the models: one dataclass maps logical names to mesh axes.
+
+Every parameter and activation names its dimensions with logical axes (`"experts"`,
+`"embed"`, ...). `ShardingRules` turns those names into a `PartitionSpec` of the mesh, so the
+parallel plan lives in one place:
+
+  batch, tokens -> the expert axis   attention data-parallel: each device its own sequences;
+                                     MoE tokens data-parallel over the same devices
+  experts       -> the expert axis   each device holds num_experts / R experts
+  anything else -> replicated        embed, vocab, mlp, heads, kv_heads, head_dim, ...
+
+A dimension is only sharded when its size divides by the mesh axis size (decode with batch 1
+on 8 devices keeps the batch replicated); `spec_for` applies that rule.
+
+Parameters are created abstract (`param`): an `nnx.Param` holding a `jax.ShapeDtypeStruct`
+with its `NamedSharding`, and the logical axes as metadata (`logical_axes`). The loader
+(`jax_moe.models.loader`) or the random initializer then places each value directly with that
+sharding, so no device ever holds a full host copy of a sharded weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DEFAULT_AXIS = "ep"
+# logical axes that follow the expert-parallel mesh axis; everything else is replicated
+_SHARDED_LOGICAL_AXES = ("batch", "tokens", "experts")
+
+
+def default_mesh(devices: Sequence[jax.Device] | None = None, axis: str = DEFAULT_AXIS) -> Mesh:
+  """All local devices (or `devices`) on one expert-parallel axis."""
+  devices = list(devices) if devices is not None else jax.local_devices()
+  return Mesh(np.array(devices), (axis,))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+  """Logical axis -> mesh axis for one mesh.
+
+  `rules` lists (logical name, mesh axis or None); a logical name not listed is replicated.
+  The default shards batch, tokens and experts over `axis` (the expert-parallel axis).
+  """
+
+  mesh: Mesh
+  axis: str = DEFAULT_AXIS
+  rules: tuple[tuple[str, str | None], ...] | None = None
+
+  def __post_init__(self):
+    if self.axis not in self.mesh.shape:
+      raise ValueError(f"ShardingRules: axis {self.axis!r} is not an axis of the mesh "
+                       f"{dict(self.mesh.shape)}")
+    if self.rules is None:
+      object.__setattr__(self, "rules", tuple((name, self.axis) for name in _SHARDED_LOGICAL_AXES))
+    for name, mesh_axis in self.rules:
+      if mesh_axis is not None and mesh_axis not in self.mesh.shape:
+        raise ValueError(f"ShardingRules: rule {name!r} -> {mesh_axis!r} names no mesh axis "
+                         f"{dict(self.mesh.shape)}")
+
+  @property
+  def axis_size(self) -> int:
+    """R: devices on the expert-parallel axis."""
+    return self.mesh.shape[self.axis]
+
+  def mesh_axis(self, logical: str | None) -> str | None:
+    return dict(self.rules).get(logical) if logical is not None else None
+
+  def spec_for(self, shape: Sequence[int], logical_axes: Sequence[str | None]) -> P:
+    """PartitionSpec for `shape`: a dim is sharded only where its size divides by the axis."""
+    if len(shape) != len(logical_axes):
+      raise ValueError(f"ShardingRules.spec_for: {len(logical_axes)} logical axes "
+                       f"{tuple(logical_axes)} for a {len(shape)}-d shape {tuple(shape)}")
+    axes = []
+    for size, name in zip(shape, logical_axes):
+      mesh_axis = self.mesh_axis(name)
+      axes.append(mesh_axis if mesh_axis is not None and size % self.mesh.shape[mesh_axis] == 0
+                  else None)
+    return P(*axes)
+
+  def sharding(self, shape: Sequence[int], logical_axes: Sequence[str | None]) -> NamedSharding:
+    return NamedSharding(self.mesh, self.spec_for(shape, logical_axes))
+
+  def constrain(self, x: jax.Array, *logical_axes: str | None) -> jax.Array:
+    """with_sharding_constraint by logical axes (inside jit; a no-op on one device)."""
+    return jax.lax.with_sharding_constraint(x, self.sharding(x.shape, logical_axes))
+
+
+def param(rules: ShardingRules, shape: Sequence[int], logical_axes: Sequence[str | None],
+          dtype) -> nnx.Param:
+  """An abstract parameter: ShapeDtypeStruct with its NamedSharding; filled by the loader.
+
+  Metadata `logical_axes` keeps the dimension names (for printing the layout and for tools).
+  """
+  shape = tuple(int(s) for s in shape)
+  sharding = rules.sharding(shape, logical_axes)
+  return nnx.Param(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+                   logical_axes=tuple(logical_axes))

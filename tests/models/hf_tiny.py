@@ -1,0 +1,66 @@
+"""Shared helpers for model parity tests: tiny random transformers models saved as safetensors.
+
+    hf_model, path = save_tiny(Qwen3MoeConfig(**qwen3_moe_kwargs(norm_topk_prob=True)), tmp_path)
+    ids = random_ids(rng, batch=2, seq=7, vocab=hf_model.config.vocab_size)
+    ref = hf_logits(hf_model, ids)          # [B, S, V] f32 numpy
+
+`save_tiny` builds the model with torch's fp32 CPU init under a fixed seed and writes it with
+`save_pretrained` (safetensors). `fused_experts=True` keeps transformers' in-memory expert
+layout (`save_original_format=False`: `experts.gate_up_proj` [E, 2F, D],
+`experts.down_proj` [E, D, F]) instead of the per-expert keys the default writes.
+"""
+
+import numpy as np
+import torch
+import transformers
+
+
+def qwen3_moe_kwargs(**overrides) -> dict:
+  """A Qwen3-MoE small enough for CPU tests; 8 experts so 8 devices hold one each."""
+  kwargs = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
+  kwargs.update(overrides)
+  return kwargs
+
+
+def save_tiny(config, directory, seed: int = 0, fused_experts: bool = False,
+              init_std: float | None = 0.1, max_shard_size: str | None = None):
+  """Builds AutoModelForCausalLM.from_config(config) in fp32 and saves it to `directory`.
+
+  init_std: re-draws every weight matrix from N(0, init_std^2) (norm weights around 1) so
+  the tiny model has routing and logits spread out enough to compare (HF's 0.02 init gives
+  near-uniform router probabilities, i.e. near-ties in the top-k). max_shard_size (e.g.
+  "20KB") splits the checkpoint into shards with a model.safetensors.index.json.
+  """
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+  if init_std is not None:
+    with torch.no_grad():
+      for name, p in model.named_parameters():
+        if p.ndim == 1:
+          p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        else:
+          p.normal_(0.0, init_std)
+  extra = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+  model.save_pretrained(str(directory), save_original_format=not fused_experts, **extra)
+  return model, str(directory)
+
+
+def random_ids(rng: np.random.Generator, batch: int, seq: int, vocab: int) -> np.ndarray:
+  return rng.integers(0, vocab, size=(batch, seq), dtype=np.int32)
+
+
+def hf_logits(model, ids: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    return model(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
+
+
+def hf_greedy(model, ids: np.ndarray, max_new_tokens: int):
+  """transformers' greedy generate: (tokens [B, S + N], per-step logits [N, B, V])."""
+  with torch.no_grad():
+    out = model.generate(torch.from_numpy(ids.astype(np.int64)), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+  return out.sequences.numpy(), np.stack([l.float().numpy() for l in out.logits])

@@ -1,0 +1,488 @@
+"""DeepSeek-V3 in Flax NNX against transformers' own modules (fp32, CPU, tiny configs)."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+import hf_tiny
+from meshes import make_mesh
+from jax_moe import models
+from jax_moe.models import deepseek_v3, loader, mla, yarn
+from jax_moe.models.checkpoint import CheckpointError
+from jax_moe.models.sharding import ShardingRules
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.9, "mscale_all_dim": 0.707}
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 5000.0}
+
+
+def tiny_config(**overrides):
+  """A DeepseekV3Config small enough for CPU tests; attn 'eager' so the math is plain."""
+  kw = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+            n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=12, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=6, v_head_dim=10, max_position_embeddings=64,
+            rope_parameters=dict(YARN), num_nextn_predict_layers=0)
+  kw.update(overrides)
+  config = DeepseekV3Config(**kw)
+  config._attn_implementation = "eager"
+  return config
+
+
+def _np(t):
+  return t.detach().numpy()
+
+
+def _close(got, want, rel=1e-4):
+  """|got - want| within rel of want's largest magnitude; returns the relative error."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  err = np.max(np.abs(got - want)) / np.max(np.abs(want))
+  assert err <= rel, f"max error {err:.3g} of max |want| (bound {rel})"
+  return err
+
+
+# --- rotary embedding and YaRN -----------------------------------------------------------
+
+@pytest.mark.parametrize("rope", [DEFAULT_ROPE, YARN,
+                                  dict(YARN, mscale=None, mscale_all_dim=None),
+                                  dict(YARN, attention_factor=1.3, beta_fast=8, truncate=False)])
+def test_rope_frequencies_and_scales_match_transformers(rope):
+  config = tiny_config(rope_parameters=dict(rope))
+  rotary = hf.DeepseekV3RotaryEmbedding(config)
+  ours = yarn.rope_scaling_from_config(config.to_dict())
+  np.testing.assert_allclose(ours.inv_freq_f, _np(rotary.inv_freq), rtol=1e-6)
+  assert hash(ours) is not None  # models keep it as a static attribute
+  assert ours.cos_sin_scale == pytest.approx(rotary.attention_scaling, rel=1e-12)
+  attention = hf.DeepseekV3Attention(config, layer_idx=0)
+  assert ours.softmax_scale_factor * config.qk_head_dim ** -0.5 == pytest.approx(
+      attention.scaling, rel=1e-12)
+
+
+def test_rope_config_spellings_agree():
+  """DeepSeek's own config.json (rope_scaling with `type`, top-level rope_theta) and the
+  transformers >= 5 spelling give the same rotary settings."""
+  new = {"qk_rope_head_dim": 8, "max_position_embeddings": 64, "rope_parameters": dict(YARN)}
+  legacy_scaling = {k: v for k, v in YARN.items() if k not in ("rope_type", "rope_theta")}
+  old = {"qk_rope_head_dim": 8, "max_position_embeddings": 64, "rope_theta": 10000.0,
+         "rope_scaling": dict(legacy_scaling, type="yarn")}
+  a, b = yarn.rope_scaling_from_config(new), yarn.rope_scaling_from_config(old)
+  np.testing.assert_array_equal(a.inv_freq_f, b.inv_freq_f)
+  assert (a.cos_sin_scale, a.softmax_scale_factor) == (b.cos_sin_scale, b.softmax_scale_factor)
+  with pytest.raises(ValueError, match="rope_type must be one of"):
+    yarn.rope_scaling_from_config(dict(new, rope_parameters={"rope_type": "longrope"}))
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_apply_rope_matches_transformers(rng, interleaved):
+  config = tiny_config(rope_interleave=interleaved)
+  rotary = hf.DeepseekV3RotaryEmbedding(config)
+  b, t, h, r = 2, 5, 3, config.qk_rope_head_dim
+  positions = rng.integers(0, 60, (b, t))
+  q = rng.normal(size=(b, t, h, r)).astype(np.float32)
+  k = rng.normal(size=(b, t, 1, r)).astype(np.float32)
+  cos, sin = rotary(torch.zeros(1), torch.from_numpy(positions))
+  apply = hf.apply_rotary_pos_emb_interleave if interleaved else hf.apply_rotary_pos_emb
+  # transformers keeps heads before time: [B, heads, T, R].
+  q_want, k_want = apply(torch.from_numpy(q).transpose(1, 2), torch.from_numpy(k).transpose(1, 2),
+                         cos, sin)
+  rope = yarn.rope_scaling_from_config(config.to_dict())
+  cos_btf, sin_btf = yarn.rope_cos_sin(jnp.asarray(positions), rope)
+  _close(yarn.apply_rope(jnp.asarray(q), cos_btf, sin_btf, interleaved),
+         _np(q_want.transpose(1, 2)), 1e-6)
+  _close(yarn.apply_rope(jnp.asarray(k), cos_btf, sin_btf, interleaved),
+         _np(k_want.transpose(1, 2)), 1e-6)
+
+
+# --- multi-head latent attention ---------------------------------------------------------
+
+def _load_linear(linear, hf_linear):
+  linear.w.set_value(jnp.asarray(_np(hf_linear.weight).T))
+  if hf_linear.bias is not None:
+    linear.b.set_value(jnp.asarray(_np(hf_linear.bias)))
+
+
+def _load_attention(ours, theirs):
+  for name, module in theirs.named_children():
+    if isinstance(module, torch.nn.Linear):
+      _load_linear(getattr(ours, name), module)
+    elif isinstance(module, hf.DeepseekV3RMSNorm):
+      getattr(ours, name).weight.set_value(jnp.asarray(_np(module.weight)))
+
+
+def _one_device_rules():
+  return ShardingRules(make_mesh(1))
+
+
+def _random_attention(config, seed):
+  torch.manual_seed(seed)
+  theirs = hf.DeepseekV3Attention(config, layer_idx=0).eval()
+  with torch.no_grad():
+    for p in theirs.parameters():
+      p.normal_(0, 0.3)
+  ours = mla.MultiHeadLatentAttention(mla.MLAConfig.from_hf(config.to_dict()),
+                                      rules=_one_device_rules(), dtype=jnp.float32)
+  _load_attention(ours, theirs)
+  return ours, theirs
+
+
+def _hf_attention(theirs, config, x, positions):
+  t = x.shape[1]
+  mask = torch.triu(torch.full((t, t), float("-inf")), 1)[None, None]
+  rotary = hf.DeepseekV3RotaryEmbedding(config)
+  cos_sin = rotary(torch.zeros(1), torch.from_numpy(positions))
+  with torch.no_grad():
+    return _np(theirs(torch.from_numpy(x), cos_sin, mask)[0])
+
+
+MLA_CASES = {
+    "q_lora_yarn_interleaved": dict(),
+    "no_q_lora_default_rope": dict(q_lora_rank=None, rope_parameters=dict(DEFAULT_ROPE)),
+    "half_split_rope_bias": dict(rope_interleave=False, attention_bias=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MLA_CASES))
+def test_mla_full_forward_matches_transformers(rng, case):
+  config = tiny_config(**MLA_CASES[case])
+  ours, theirs = _random_attention(config, seed=len(case))
+  b, t = 2, 7
+  x = rng.normal(size=(b, t, config.hidden_size)).astype(np.float32)
+  positions = np.tile(np.arange(t), (b, 1))
+  want = _hf_attention(theirs, config, x, positions)
+  got, cache = ours(jnp.asarray(x), jnp.asarray(positions))
+  assert cache is None
+  _close(got, want)
+
+
+@pytest.mark.parametrize("prefill", [3, 20])
+@pytest.mark.parametrize("case", sorted(MLA_CASES))
+def test_mla_cached_steps_equal_full_forward(rng, case, prefill):
+  """Prefill then one-token steps through the cache give transformers' full-forward outputs,
+  token by token. A 3-token prefill attends absorbed, a 20-token one expanded; steps absorbed."""
+  config = tiny_config(**MLA_CASES[case])
+  ours, theirs = _random_attention(config, seed=len(case) + 1)
+  b, t, max_len = 2, prefill + 3, prefill + 5
+  assert ours.uses_absorbed(prefill, max_len) == (prefill == 3)
+  assert ours.uses_absorbed(1, max_len) and not ours.uses_absorbed(t, t)
+  x = rng.normal(size=(b, t, config.hidden_size)).astype(np.float32)
+  positions = np.tile(np.arange(t), (b, 1))
+  want = _hf_attention(theirs, config, x, positions)
+  cache = mla.init_mla_cache(ours.cfg, b, max_len, dtype=jnp.float32)
+  steps = [(0, prefill)] + [(s, s + 1) for s in range(prefill, t)]
+  got = []
+  for start, stop in steps:
+    y, cache = ours(jnp.asarray(x[:, start:stop]), jnp.asarray(positions[:, start:stop]),
+                    cache, jnp.int32(start))
+    got.append(y)
+  _close(jnp.concatenate(got, axis=1), want)
+  # Rows past the written length stay zero: nothing was written out of place.
+  assert not np.any(np.asarray(cache.latent_bsc[:, t:]))
+
+
+def test_mla_cache_bad_input_is_refused():
+  config = tiny_config()
+  ours, _ = _random_attention(config, seed=0)
+  cache = mla.init_mla_cache(ours.cfg, 1, 4, jnp.float32)
+  with pytest.raises(ValueError, match="cache_length is required"):
+    ours(jnp.zeros((1, 1, config.hidden_size)), jnp.zeros((1, 1), jnp.int32), cache)
+  with pytest.raises(ValueError, match="5 new tokens do not fit a cache of 4 positions"):
+    ours(jnp.zeros((1, 5, config.hidden_size)), jnp.zeros((1, 5), jnp.int32), cache, 0)
+
+
+# --- routing -----------------------------------------------------------------------------
+
+ROUTING_CASES = {
+    "groups2_top1group_norm": dict(n_group=2, topk_group=1, num_experts_per_tok=2),
+    "groups4_top2groups_k3_nonorm": dict(n_group=4, topk_group=2, num_experts_per_tok=3,
+                                         norm_topk_prob=False, routed_scaling_factor=1.7),
+    "one_group_k4": dict(n_group=1, topk_group=1, num_experts_per_tok=4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROUTING_CASES))
+def test_routing_matches_transformers(rng, case):
+  config = tiny_config(n_routed_experts=16, **ROUTING_CASES[case])
+  router = hf.DeepseekV3TopkRouter(config)
+  with torch.no_grad():
+    router.weight.normal_(0, 0.5)
+    router.e_score_correction_bias.normal_(0, 0.3)
+  x = rng.normal(size=(40, config.hidden_size)).astype(np.float32)
+  with torch.no_grad():
+    _, want_w, want_ids = router(torch.from_numpy(x))
+  routing = deepseek_v3.DeepseekV3Config.from_hf(config.to_dict()).routing
+  ids, weights = deepseek_v3.route(jnp.asarray(x) @ jnp.asarray(_np(router.weight).T),
+                                   jnp.asarray(_np(router.e_score_correction_bias)), routing)
+  # Both top-ks are unsorted: compare per token in expert order.
+  order, want_order = np.argsort(ids, axis=1), np.argsort(_np(want_ids), axis=1)
+  np.testing.assert_array_equal(np.take_along_axis(np.asarray(ids), order, 1),
+                                np.take_along_axis(_np(want_ids), want_order, 1))
+  _close(np.take_along_axis(np.asarray(weights), order, 1),
+         np.take_along_axis(_np(want_w), want_order, 1), 1e-6)
+
+
+def test_routing_bias_selects_but_does_not_weigh():
+  """A large bias on one expert makes every token pick it, with its unbiased score."""
+  routing = deepseek_v3.RoutingConfig(num_experts=4, top_k=1, n_group=1, topk_group=1,
+                                      norm_topk_prob=False, routed_scaling_factor=1.0)
+  logits = jnp.array([[2.0, 0.0, -1.0, 1.0]])
+  ids, weights = deepseek_v3.route(logits, jnp.array([0.0, 0.0, 5.0, 0.0]), routing)
+  assert int(ids[0, 0]) == 2
+  assert float(weights[0, 0]) == pytest.approx(1 / (1 + np.exp(1.0)))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(n_routed_experts=8, n_group=3), "must divide into n_group"),
+    (dict(n_routed_experts=8, n_group=8, topk_group=1), "at least 2 experts"),
+    (dict(n_group=2, topk_group=3), "topk_group must be in"),
+    (dict(n_group=2, topk_group=1, num_experts_per_tok=5), "num_experts_per_tok must be in"),
+])
+def test_bad_routing_config_is_refused(overrides, message):
+  config = tiny_config().to_dict()
+  config.update(overrides)
+  with pytest.raises(CheckpointError, match=message):
+    deepseek_v3.DeepseekV3Config.from_hf(config)
+
+
+@pytest.mark.parametrize("key,value", [("scoring_func", "softmax"), ("topk_method", "greedy"),
+                                       ("moe_layer_freq", 2), ("hidden_act", "gelu")])
+def test_other_moe_variants_are_refused(key, value):
+  config = dict(tiny_config().to_dict(), scoring_func="sigmoid", topk_method="noaux_tc")
+  deepseek_v3.DeepseekV3Config.from_hf(config)  # DeepSeek-V3's own values are accepted
+  with pytest.raises(NotImplementedError, match=f"{key}={value!r} is not supported"):
+    deepseek_v3.DeepseekV3Config.from_hf(dict(config, **{key: value}))
+
+
+# --- the whole model, loaded from a transformers checkpoint ------------------------------
+
+MODEL_CASES = {
+    # DeepSeek-V3's shape: q LoRA, one dense layer first, normalised top-k, YaRN, 2 groups.
+    "qlora_dense1_norm_yarn_groups2": dict(),
+    "noqlora_moe_only_nonorm_default_rope_bias": dict(
+        q_lora_rank=None, first_k_dense_replace=0, norm_topk_prob=False, n_group=1,
+        topk_group=1, rope_parameters=dict(DEFAULT_ROPE), attention_bias=True,
+        routed_scaling_factor=1.0),
+    "groups4_topk_group2_k3_halfsplit_tied_2shared": dict(
+        n_group=4, topk_group=2, num_experts_per_tok=3, rope_interleave=False,
+        tie_word_embeddings=True, n_shared_experts=2, num_hidden_layers=3),
+}
+
+
+def _save_deepseek(directory, seed, **overrides):
+  """A tiny transformers DeepSeek-V3 saved as safetensors, with a random selection bias
+  (a buffer, so save_tiny's re-draw of the parameters leaves it at zero)."""
+  model, path = hf_tiny.save_tiny(tiny_config(**overrides), directory, seed=seed)
+  with torch.no_grad():
+    for layer in model.model.layers:
+      if isinstance(layer.mlp, hf.DeepseekV3MoE):
+        layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
+  model.save_pretrained(path)
+  return model, path
+
+
+def _load(path, mesh, backend, dtype=jnp.float32):
+  return models.from_pretrained(path, mesh=mesh, backend=backend, dtype=dtype, progress=False)
+
+
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """case -> (transformers model, checkpoint dir), each saved once per module."""
+  done = {}
+
+  def get(case):
+    if case not in done:
+      done[case] = _save_deepseek(tmp_path_factory.mktemp(case), seed=len(case),
+                                  **MODEL_CASES[case])
+    return done[case]
+  return get
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_CASES))
+def test_logits_match_transformers(saved, rng, ep_mesh, backend, case):
+  hf_model, path = saved(case)
+  ids = hf_tiny.random_ids(rng, batch=2, seq=9, vocab=hf_model.config.vocab_size)
+  want = hf_tiny.hf_logits(hf_model, ids)
+  got = models.forward(_load(path, ep_mesh, backend), ids)
+  err = _close(got, want)
+  print(f"{case}: max |logits - transformers| / max |transformers| = {err:.2e}")
+
+
+def test_expert_parallel_equals_one_device(saved, rng, mesh_of, ep_mesh, backend):
+  """All devices (8 here) against one, f32; and the serving setup (bf16 weights, bf16
+  exchange) near transformers' f32 logits."""
+  if ep_mesh.devices.size == 1:
+    pytest.skip("needs more than one device")
+  hf_model, path = saved("qlora_dense1_norm_yarn_groups2")
+  ids = hf_tiny.random_ids(rng, batch=2, seq=5, vocab=hf_model.config.vocab_size)
+  one = models.forward(_load(path, mesh_of(1), backend), ids)
+  err = _close(models.forward(_load(path, ep_mesh, backend), ids), one, 1e-6)
+  print(f"EP{ep_mesh.devices.size} vs 1 device, f32: {err:.2e}")
+  err = _close(models.forward(_load(path, ep_mesh, backend, jnp.bfloat16), ids),
+               hf_tiny.hf_logits(hf_model, ids), 5e-2)
+  print(f"EP{ep_mesh.devices.size} bf16 vs transformers f32: {err:.2e}")
+
+
+def test_embedded_tiny_model_decodes_like_its_full_forward(rng, ep_mesh, backend):
+  """The CLI's random-weight tiny-deepseek-v3 (legacy top-level rope_theta spelling) on all
+  devices: a prefill and cached steps give the full forward's logits."""
+  model = models.tiny("tiny-deepseek-v3", mesh=ep_mesh, backend=backend, dtype=jnp.float32)
+  ids = hf_tiny.random_ids(rng, batch=2, seq=6, vocab=model.vocab_size)
+  full = models.forward(model, ids)
+  logits, cache = models.forward(model, ids[:, :4], model.init_cache(2, 6))
+  steps = [logits]
+  for t in (4, 5):
+    logits, cache = models.forward(model, ids[:, t:t + 1], cache)
+    steps.append(logits)
+  _close(jnp.concatenate(steps, axis=1), full, 1e-5)
+
+
+def test_cached_decode_and_greedy_generate_match_transformers(saved, rng, ep_mesh, backend):
+  """generate's tokens are transformers' greedy tokens, and the logits of each cached step
+  (prefill, then one token at a time) are transformers' logits of that step. (The half-split
+  rope layout in the cache is covered by test_mla_cached_steps_equal_full_forward.)"""
+  case = "qlora_dense1_norm_yarn_groups2"
+  hf_model, path = saved(case)
+  prompt, new = 6, 5
+  # No token 0 in the prompt: hf_greedy names 0 the pad token, and transformers' generate
+  # then masks those positions out of attention.
+  ids = 1 + hf_tiny.random_ids(rng, batch=2, seq=prompt, vocab=hf_model.config.vocab_size - 1)
+  want_tokens, want_logits = hf_tiny.hf_greedy(hf_model, ids, max_new_tokens=new)
+  model = _load(path, ep_mesh, backend)
+  np.testing.assert_array_equal(np.asarray(models.generate(model, ids, max_new_tokens=new)),
+                                want_tokens)
+  cache = model.init_cache(2, prompt + new)
+  logits, cache = models.forward(model, ids, cache)
+  got_logits = [logits[:, -1]]
+  for step in range(new - 1):
+    logits, cache = models.forward(model, want_tokens[:, prompt + step:prompt + step + 1], cache)
+    got_logits.append(logits[:, -1])
+  assert int(cache.index) == prompt + new - 1
+  err = _close(jnp.stack(got_logits), want_logits)
+  print(f"{case}: cached decode max error {err:.2e}")
+
+
+# --- fp8 checkpoint ----------------------------------------------------------------------
+
+FP8_BLOCK = (16, 16)  # small blocks so the tiny dims (24, 56, ...) end in partial blocks
+
+
+def _quantize_block_fp8(w_oi, block):
+  """DeepSeek's format from a torch f32 weight: (e4m3 codes, scale_inv [ceil(O/bo), ceil(I/bi)])."""
+  rows, cols = w_oi.shape
+  bo, bi = block
+  padded = torch.nn.functional.pad(w_oi, (0, -cols % bi, 0, -rows % bo))
+  blocks = padded.reshape(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi)
+  scale_inv = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+  scale_oi = scale_inv.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:rows, :cols]
+  codes = (w_oi / scale_oi).to(torch.float8_e4m3fn)
+  return codes, scale_inv, codes.float() * scale_oi
+
+
+def _is_quantized_in_deepseek(name, tensor):
+  # DeepSeek-V3 keeps embeddings, the output head, norms and the router in high precision.
+  return (tensor.ndim == 2 and name.endswith("proj.weight") and "embed" not in name
+          and "lm_head" not in name)
+
+
+def test_fp8_checkpoint_loads_like_its_dequantized_weights(saved, tmp_path, rng, ep_mesh,
+                                                          backend):
+  """An fp8 checkpoint (codes + weight_scale_inv, partial edge blocks, an MTP layer that must
+  be skipped) gives the logits of an f32 checkpoint of its dequantized weights, and those
+  are transformers' logits for the same weights."""
+  hf_model, path = saved("qlora_dense1_norm_yarn_groups2")
+  tensors = load_file(f"{path}/model.safetensors")
+  fp8, dequantized = {}, {}
+  for name, w in tensors.items():
+    if _is_quantized_in_deepseek(name, w):
+      fp8[name], fp8[name + "_scale_inv"], dequantized[name] = _quantize_block_fp8(w, FP8_BLOCK)
+    else:
+      fp8[name] = dequantized[name] = w
+  # A multi-token-prediction layer after the last decoder layer, as DeepSeek ships it.
+  mtp = f"model.layers.{hf_model.config.num_hidden_layers}"
+  fp8[f"{mtp}.eh_proj.weight"], fp8[f"{mtp}.eh_proj.weight_scale_inv"], _ = _quantize_block_fp8(
+      torch.randn(32, 64), FP8_BLOCK)
+  fp8[f"{mtp}.enorm.weight"] = torch.ones(32)
+  config = json.load(open(f"{path}/config.json"))
+  fp8_dir, f32_dir = tmp_path / "fp8", tmp_path / "dequantized"
+  for directory, state, extra in (
+      (fp8_dir, fp8, {"num_nextn_predict_layers": 1,
+                      "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                              "activation_scheme": "dynamic",
+                                              "weight_block_size": list(FP8_BLOCK)}}),
+      (f32_dir, dequantized, {})):
+    directory.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    json.dump(dict(config, **extra), open(directory / "config.json", "w"))
+
+  ids = hf_tiny.random_ids(rng, batch=2, seq=7, vocab=hf_model.config.vocab_size)
+  from_fp8 = models.forward(_load(str(fp8_dir), ep_mesh, backend), ids)
+  from_f32 = models.forward(_load(str(f32_dir), ep_mesh, backend), ids)
+  np.testing.assert_array_equal(np.asarray(from_fp8), np.asarray(from_f32))
+  reference = transformers.AutoModelForCausalLM.from_pretrained(str(f32_dir), dtype=torch.float32)
+  err = _close(from_fp8, hf_tiny.hf_logits(reference.eval(), ids))
+  print(f"fp8 checkpoint vs transformers on its dequantized weights: {err:.2e}")
+  # The quantization really changed the weights: the original model's logits differ.
+  assert not np.allclose(np.asarray(from_fp8), hf_tiny.hf_logits(hf_model, ids), atol=1e-3)
+
+
+# --- full size, shapes only --------------------------------------------------------------
+
+class _ShapesOnly:
+  """A checkpoint reader that knows names and shapes only (check_checkpoint needs no data)."""
+  path = "shapes-only"
+
+  def __init__(self, shapes):
+    self.shapes = shapes
+
+  def has(self, name):
+    return name in self.shapes
+
+  def shape(self, name):
+    return self.shapes[name]
+
+
+def test_full_size_model_maps_onto_deepseek_v3_checkpoint_names(ep_mesh):
+  """DeepSeek-V3's real dimensions (transformers' defaults: 61 layers, 256 experts, MLA
+  1536/512/128/64/128), built abstract on all devices, match the names and shapes of its
+  checkpoint: per-expert keys with fp8 scales and the MTP layer 61 as released, and
+  transformers' fused expert layout."""
+  config = DeepseekV3Config(rope_parameters=dict(YARN, factor=40.0,
+                                                 original_max_position_embeddings=4096))
+  with torch.device("meta"):
+    fused = {k: tuple(v.shape) for k, v in hf.DeepseekV3ForCausalLM(config).state_dict().items()}
+  per_expert = {}
+  for name, shape in fused.items():
+    if name.endswith("experts.gate_up_proj"):
+      E, two_f, d = shape
+      for e in range(E):
+        for proj in ("gate_proj", "up_proj"):
+          per_expert[name.replace("gate_up_proj", f"{e}.{proj}.weight")] = (two_f // 2, d)
+    elif name.endswith("experts.down_proj"):
+      for e in range(shape[0]):
+        per_expert[name.replace("down_proj", f"{e}.down_proj.weight")] = shape[1:]
+    else:
+      per_expert[name] = shape
+  for name, (rows, cols) in [(n, s) for n, s in per_expert.items() if n.endswith("proj.weight")]:
+    per_expert[name + "_scale_inv"] = (-(-rows // 128), -(-cols // 128))
+  per_expert["model.layers.61.eh_proj.weight"] = (7168, 14336)
+
+  model = deepseek_v3.DeepseekV3ForCausalLM(config.to_dict(), rules=ShardingRules(ep_mesh),
+                                            dtype=jnp.bfloat16)
+  for shapes in (fused, per_expert):
+    loader.check_checkpoint(model, _ShapesOnly(shapes))
+  assert [layer.is_moe for layer in model.layers[:4]] == [False, False, False, True]
+  experts = model.layers[3].mlp.experts.w_gate_edf.get_value()
+  assert experts.shape == (256, 7168, 2048) and experts.sharding.spec[0] == "ep"
+  assert model.layers[3].self_attn.kv_b_proj.w.get_value().sharding.is_fully_replicated
+  assert model.layers[3].mlp.gate.w_de.get_value().dtype == jnp.float32

@@ -1,0 +1,83 @@
+"""Generation: greedy tokens with the KV cache equal transformers' greedy generate; sampling.
+
+Ties: both sides pick the first index of the largest logit, but logits agree only within the
+parity tolerance, so where transformers' top-2 gap is below it either token is right and the
+sequences may part. Each row is compared up to its first such step; the test asserts that
+this still covers most tokens, so it cannot pass vacuously.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from transformers import Qwen3MoeConfig
+
+from hf_tiny import hf_greedy, qwen3_moe_kwargs, random_ids, save_tiny
+from jax_moe import models
+from jax_moe.models.generation import sample
+
+NEW_TOKENS = 8
+
+
+def _first_near_tie(step_logits_nbv, tolerance):
+  """Per row, the first decode step whose top-2 logits are closer than tolerance (or N)."""
+  top2 = np.sort(step_logits_nbv, axis=-1)[..., -2:]
+  near = (top2[..., 1] - top2[..., 0]) < tolerance                   # [N, B]
+  return np.where(near.any(0), near.argmax(0), near.shape[0])
+
+
+def test_greedy_matches_transformers(tmp_path, rng, ep_mesh, backend):
+  hf_model, path = save_tiny(Qwen3MoeConfig(**qwen3_moe_kwargs(norm_topk_prob=True)), tmp_path)
+  ids = random_ids(rng, batch=3, seq=5, vocab=96)
+  ref_tokens, ref_logits = hf_greedy(hf_model, ids, NEW_TOKENS)
+  model = models.from_pretrained(path, mesh=ep_mesh, backend=backend, dtype=jnp.float32,
+                                 progress=False)
+  tokens = np.asarray(models.generate(model, ids, NEW_TOKENS))
+  assert tokens.shape == ref_tokens.shape
+  np.testing.assert_array_equal(tokens[:, :5], ids)
+  compared = _first_near_tie(ref_logits, 1e-4 * np.abs(ref_logits).max())
+  for row, steps in enumerate(compared):
+    np.testing.assert_array_equal(tokens[row, 5:5 + steps], ref_tokens[row, 5:5 + steps])
+  assert compared.sum() >= 0.75 * compared.size * NEW_TOKENS
+
+
+def test_sampling_is_reproducible_and_in_vocab(ep_mesh):
+  model = models.tiny("tiny-qwen3-moe", mesh=ep_mesh)
+  generator = models.Generator(model, batch=8, prompt_len=3, max_new_tokens=3, temperature=1.0,
+                               top_p=0.9)
+  ids = jnp.zeros((8, 3), jnp.int32)
+  a, b, c = (np.asarray(generator(ids, jax.random.key(seed))) for seed in (7, 7, 8))
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, c)
+  assert a.shape == (8, 6) and a.min() >= 0 and a.max() < model.vocab_size
+
+
+def test_top_p_keeps_the_nucleus():
+  logits = jnp.log(jnp.array([[0.5, 0.05, 0.3, 0.15]], jnp.float32))
+  keys = jax.random.split(jax.random.key(0), 2000)
+  draw = jax.vmap(lambda k, p: sample(logits, k, 1.0, p)[0], in_axes=(0, None))
+  # 0.5 + 0.3 reach 0.75: the nucleus is {0, 2}, drawn about 5:3
+  picked = np.asarray(draw(keys, 0.75))
+  assert set(np.unique(picked)) == {0, 2}
+  assert 0.55 < np.mean(picked == 0) < 0.70
+  assert set(np.unique(np.asarray(draw(keys, 0.4)))) == {0}        # top token alone
+  assert set(np.unique(np.asarray(draw(keys, 1.0)))) == {0, 1, 2, 3}
+  np.testing.assert_array_equal(sample(logits, keys[0], 0.0, 1.0), [0])  # greedy
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=1.0), "needs a PRNG key"),
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+])
+def test_bad_sampling_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    models.generate(None, np.zeros((1, 2), np.int32), 2, **kwargs)
+
+
+def test_bad_prompt(mesh_of):
+  model = models.tiny("tiny-qwen3-moe", mesh=mesh_of(2))
+  with pytest.raises(ValueError, match=r"input_ids must be an int array \[batch, seq\]"):
+    models.generate(model, np.zeros(4, np.int32), 2)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    models.generate(model, np.zeros((1, 4), np.int32), 0)
