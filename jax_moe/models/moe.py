@@ -50,20 +50,28 @@ def default_wire(dtype) -> str:
   return "exact" if jnp.dtype(dtype) == jnp.float32 else "bf16"
 
 
+def _truncate_to_bf16(x):
+  """f32 -> f32 with the low 16 bits cleared: exactly representable in bf16."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def split_f32(x):
   """f32 [..., D] -> bf16 [..., 3D] (hi, mid, lo) with hi + mid + lo == x exactly.
 
-  Each part takes the next 8 significant bits of what is left; f32 has 24, and bf16 keeps
-  f32's exponent range, so the residual after three parts is zero (for normal values whose
-  bf16 rounding does not overflow, i.e. |x| below about 3.39e38, and whose last part stays
-  above the subnormal range, about |x| > 2^-110).
+  hi keeps the top 8 significant bits of x and mid the top 8 of what is left, both by
+  truncation, so each is a bf16 value and each difference is exact in f32; lo, the rest, has
+  at most 8 significant bits. Truncating (clearing bits) instead of rounding through a bf16
+  cast matters on GPU: XLA may drop an f32 -> bf16 -> f32 round trip (excess precision),
+  which left the rounded split with mid = lo = 0. Exact for normal values whose last part
+  stays above the bf16 subnormal range, about |x| > 2^-110.
   """
   x = x.astype(jnp.float32)
-  hi = x.astype(jnp.bfloat16)
-  rest = x - hi.astype(jnp.float32)
-  mid = rest.astype(jnp.bfloat16)
-  lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-  return jnp.concatenate([hi, mid, lo], axis=-1)
+  hi = _truncate_to_bf16(x)
+  rest = x - hi
+  mid = _truncate_to_bf16(rest)
+  lo = rest - mid
+  return jnp.concatenate([hi, mid, lo], axis=-1).astype(jnp.bfloat16)
 
 
 def join_f32(parts):
