@@ -6,6 +6,9 @@
 #ifdef JAX_MOE_WITH_CUDA
 #include "ffi/native_cuda.h"
 #endif
+#ifdef JAX_MOE_WITH_LIBFABRIC
+#include "ffi/native_transport.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -33,5 +36,8 @@ NB_MODULE(_native, m) {
   m.def("build_info", &jax_moe::build_info, "What this build contains (CUDA, libfabric, ...)");
 #ifdef JAX_MOE_WITH_CUDA
   jax_moe::bind_cuda(m);
+#endif
+#ifdef JAX_MOE_WITH_LIBFABRIC
+  jax_moe::bind_transport(m);
 #endif
 }
