@@ -19,7 +19,6 @@
 #include <rdma/fi_endpoint.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -164,9 +163,8 @@ class TransferEngine {
   int next_region_ = 0;
   uint64_t next_key_ = 1;
 
-  // Arrivals and local completions, guarded by progress_mutex_ and announced on progressed_.
+  // Arrivals and local completions, guarded by progress_mutex_.
   std::mutex progress_mutex_;
-  std::condition_variable progressed_;
   std::unordered_map<uint32_t, uint64_t> arrived_;  // immediate -> unconsumed arrivals
   uint64_t posted_ = 0;
   uint64_t completed_ = 0;
