@@ -7,6 +7,8 @@ the workers report with a numpy reference built from the same plan.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -110,9 +112,24 @@ def run_stall(rank, world, conn, provider, node, shuffle_seed, seed, rounds, tim
         conn.recv()  # released by the parent once the others reported
         engine.close()
         return
+    _report_barrier(engine, group, conn)
+
+
+def run_killed(rank, world, conn, provider, node, shuffle_seed, seed, rounds, timeout_s):
+    """Rank world-1 is killed (SIGKILL) after one good round; the others, in their next
+    barrier, must time out naming it and close cleanly."""
+    engine, _, group = _connect(rank, world, conn, provider, node, shuffle_seed, timeout_s)
+    engine.barrier(group, tag=1)
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    _report_barrier(engine, group, conn, tag=2)
+
+
+def _report_barrier(engine, group, conn, tag=1):
+    """Sends the parent (message, seconds) of one barrier, then closes the engine."""
     start = time.monotonic()
     try:
-        engine.barrier(group, tag=1)
+        engine.barrier(group, tag=tag)
         conn.send(("no error", time.monotonic() - start))
     except Exception as e:  # noqa: BLE001 - the message goes back to the parent to check
         conn.send((f"{type(e).__name__}: {e}", time.monotonic() - start))
@@ -146,7 +163,7 @@ def run_bad_key(rank, world, conn, provider, node, shuffle_seed, seed, rounds, t
 
 
 SCENARIOS = {"scatter": run_scatter, "counters": run_counters, "stall": run_stall,
-             "bad_key": run_bad_key}
+             "killed": run_killed, "bad_key": run_bad_key}
 
 
 def main(scenario, rank, world, conn, provider, node, shuffle_seed, seed, rounds, timeout_s):

@@ -396,9 +396,11 @@ void TransferEngine::post_write(const Member& member, void* local, uint64_t leng
       --posted_;
       free_contexts_.push_back(context);
     }
-    const std::string reason = ret == -FI_EAGAIN ? "the transmit queue stayed full for " +
-                                                       seconds_text(config_.timeout_s)
-                                                 : fi_strerror(static_cast<int>(-ret));
+    const std::string reason =
+        ret == -FI_EAGAIN ? "the transmit queue stayed full for " +
+                                seconds_text(config_.timeout_s) +
+                                " (is the peer alive, and is its address right?)"
+                          : fi_strerror(static_cast<int>(-ret));
     throw TransportError("rank " + std::to_string(config_.rank) + ": write to rank " +
                          std::to_string(member.rank) + " (tag " +
                          std::to_string(immediate_tag(immediate)) + ") could not be posted: " +
