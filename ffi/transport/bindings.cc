@@ -55,14 +55,9 @@ void bind_transport(nb::module_& m) {
           "__init__",
           [](TransferEngine* self, uint32_t rank, const std::string& provider,
              const std::string& node, double timeout_s, uint64_t shuffle_seed, bool cuda_memory) {
-            transport::Config config;
-            config.rank = rank;
-            config.provider = provider;
-            config.node = node;
-            config.timeout_s = timeout_s;
-            config.shuffle_seed = shuffle_seed;
-            config.cuda_memory = cuda_memory;
-            new (self) TransferEngine(config);
+            // Aggregate order: the fields of transport::Config as declared.
+            new (self) TransferEngine(
+                transport::Config{rank, provider, node, timeout_s, shuffle_seed, cuda_memory});
           },
           nb::arg("rank"), nb::arg("provider"), nb::arg("node"), nb::arg("timeout_s"),
           nb::arg("shuffle_seed"), nb::arg("cuda_memory"))

@@ -193,7 +193,10 @@ std::string TransferEngine::address() const {
   card.engine_id = engine_id_;
   card.provider = facts_.provider;
   card.endpoint_name = endpoint_name_;
-  card.signal = region_at(signal_region_).remote;
+  {
+    std::lock_guard<std::mutex> lock(state_mutex_);
+    card.signal = region_at(signal_region_).remote;
+  }
   return encode_card(card);
 }
 
@@ -410,12 +413,7 @@ void TransferEngine::post_write(const Member& member, void* local, uint64_t leng
 
 void TransferEngine::scatter(int group_id, int source, const std::vector<Slice>& slices,
                              uint32_t tag) {
-  require_open("scatter");
-  throw_if_failed();
-  if (tag > kMaxTag) {
-    throw TransportError("scatter: tag " + std::to_string(tag) + " exceeds " +
-                         std::to_string(kMaxTag));
-  }
+  check_can_post("scatter", tag);
   const Group* group;
   const Region* region;
   {
@@ -469,12 +467,7 @@ void TransferEngine::scatter(int group_id, int source, const std::vector<Slice>&
 }
 
 void TransferEngine::barrier(int group_id, uint32_t tag, double timeout_s) {
-  require_open("barrier");
-  throw_if_failed();
-  if (tag > kMaxTag) {
-    throw TransportError("barrier: tag " + std::to_string(tag) + " exceeds " +
-                         std::to_string(kMaxTag));
-  }
+  check_can_post("barrier", tag);
   const Group* group;
   {
     std::lock_guard<std::mutex> lock(state_mutex_);
@@ -561,6 +554,15 @@ uint64_t TransferEngine::arrived(uint32_t tag, uint32_t source) {
   std::lock_guard<std::mutex> lock(progress_mutex_);
   auto it = arrived_.find(make_immediate(tag, source));
   return it == arrived_.end() ? 0 : it->second;
+}
+
+void TransferEngine::check_can_post(const char* what, uint32_t tag) {
+  require_open(what);
+  throw_if_failed();
+  if (tag > kMaxTag) {
+    throw TransportError(std::string(what) + ": tag " + std::to_string(tag) + " exceeds " +
+                         std::to_string(kMaxTag));
+  }
 }
 
 void TransferEngine::require_open(const char* what) const {

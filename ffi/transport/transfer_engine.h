@@ -136,6 +136,8 @@ class TransferEngine {
   void release_held(bool all);
   void fail(const std::string& message);
   void require_open(const char* what) const;
+  // Open, not failed, and `tag` fits the immediate (scatter and barrier).
+  void check_can_post(const char* what, uint32_t tag);
   void throw_if_failed();
   const Group& group_at(int group) const;
   const Region& region_at(int region) const;
