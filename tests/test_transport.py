@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import transport_worker as worker
+import jax_moe as jm
 from jax_moe import transport
 
 pytestmark = pytest.mark.skipif(
@@ -257,6 +258,9 @@ def test_scatter_arguments_are_checked():
             engine(rank=4096)
         with pytest.raises(ValueError, match="C-contiguous"):
             e.register(np.zeros((8, 8), np.uint8)[:, ::2])
+        if not jm.build_info()["cuda"]:
+            with pytest.raises(transport.TransportError, match="cuda_memory needs a build with CUDA"):
+                engine(cuda_memory=True)
         with pytest.raises(transport.TransportError, match="no provider-x"):
             transport.TransferEngine(0, provider="no provider-x", timeout_s=1.0)
 

@@ -25,6 +25,14 @@ constexpr uint32_t kApiVersion =
         ? FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION)
         : FI_VERSION(1, 17);
 
+// Device memory (FI_HMEM caps, fi_mr_attr::iface) arrived in libfabric 1.10; the engine
+// registers CUDA buffers only in builds with CUDA and headers that new.
+#if defined(JAX_MOE_WITH_CUDA) && FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION) >= FI_VERSION(1, 10)
+#define JAX_MOE_FABRIC_HMEM 1
+#else
+#define JAX_MOE_FABRIC_HMEM 0
+#endif
+
 constexpr size_t kCqBatch = 16;
 constexpr size_t kSignalBytes = 64;
 // The progress thread naps this long between empty polls while it is not needed.
@@ -94,6 +102,12 @@ TransferEngine::TransferEngine(const Config& config) : config_(config) {
     throw TransportError("TransferEngine: rank " + std::to_string(config_.rank) +
                          " is out of range; ranks must be < " + std::to_string(kMaxRanks));
   }
+#if !JAX_MOE_FABRIC_HMEM
+  if (config_.cuda_memory) {
+    throw TransportError("TransferEngine: cuda_memory needs a build with CUDA and libfabric >= "
+                         "1.10 headers");
+  }
+#endif
   if (!(config_.timeout_s > 0)) {
     throw TransportError("TransferEngine: timeout_s must be > 0, got " +
                          std::to_string(config_.timeout_s));
@@ -127,13 +141,17 @@ void TransferEngine::open_fabric() {
   if (hints == nullptr) throw TransportError("fi_allocinfo: out of memory");
   hints->ep_attr->type = FI_EP_RDM;
   hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE;
-  if (config_.cuda_memory) hints->caps |= FI_HMEM;
   // We give every operation a fi_context2, so providers that need that space may use it.
   hints->mode = FI_CONTEXT | FI_CONTEXT2;
   // The registration rules we know how to follow; the provider answers with those it needs.
   hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED |
                                 FI_MR_PROV_KEY | FI_MR_ENDPOINT;
-  if (config_.cuda_memory) hints->domain_attr->mr_mode |= FI_MR_HMEM;
+#if JAX_MOE_FABRIC_HMEM
+  if (config_.cuda_memory) {
+    hints->caps |= FI_HMEM;
+    hints->domain_attr->mr_mode |= FI_MR_HMEM;
+  }
+#endif
   hints->domain_attr->threading = FI_THREAD_SAFE;
   hints->domain_attr->cq_data_size = sizeof(uint32_t);
   if (!config_.provider.empty()) hints->fabric_attr->prov_name = strdup(config_.provider.c_str());
@@ -153,7 +171,9 @@ void TransferEngine::open_fabric() {
   facts_.mr_mode = info_->domain_attr->mr_mode;
   facts_.max_msg_size = info_->ep_attr->max_msg_size;
   facts_.inject_size = info_->tx_attr->inject_size;
+#if JAX_MOE_FABRIC_HMEM
   facts_.cuda_memory = (info_->caps & FI_HMEM) != 0;
+#endif
   if (info_->domain_attr->cq_data_size < sizeof(uint32_t)) {
     throw TransportError("provider " + facts_.provider + " carries only " +
                          std::to_string(info_->domain_attr->cq_data_size) +
@@ -236,9 +256,8 @@ int TransferEngine::register_memory(void* ptr, uint64_t size, int cuda_device) {
   attr.mr_iov = &iov;
   attr.iov_count = 1;
   attr.access = FI_WRITE | FI_REMOTE_WRITE;
-  attr.iface = FI_HMEM_SYSTEM;
   if (cuda_device >= 0) {
-#ifdef JAX_MOE_WITH_CUDA
+#if JAX_MOE_FABRIC_HMEM
     if (!facts_.cuda_memory) {
       throw TransportError("register_memory: provider " + facts_.provider +
                            " did not grant FI_HMEM (create the engine with cuda_memory=True "
@@ -247,7 +266,8 @@ int TransferEngine::register_memory(void* ptr, uint64_t size, int cuda_device) {
     attr.iface = FI_HMEM_CUDA;
     attr.device.cuda = cuda_device;
 #else
-    throw TransportError("register_memory: this build has no CUDA; device memory cannot be registered");
+    throw TransportError("register_memory: this build cannot register device memory (needs CUDA "
+                         "and libfabric >= 1.10 headers)");
 #endif
   }
   auto region = std::make_unique<Region>();
