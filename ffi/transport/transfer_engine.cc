@@ -407,11 +407,12 @@ void TransferEngine::post_write(const Member& member, void* local, uint64_t leng
 
   const auto deadline = deadline_after(config_.timeout_s);
   ssize_t ret;
-  // FI_EAGAIN: the transmit queue is full until completions are reaped; the progress
-  // thread reaps them, so yield to it and retry, up to the timeout.
+  // FI_EAGAIN: the transmit queue is full until completions are reaped (and, for software
+  // providers such as rxm, until someone drives progress): poll the queue and retry, up to
+  // the timeout.
   while ((ret = fi_writemsg(ep_, &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION)) == -FI_EAGAIN &&
          Clock::now() < deadline) {
-    std::this_thread::yield();
+    if (poll_once() == 0) std::this_thread::yield();
   }
   if (ret != 0) {
     {

@@ -1,5 +1,6 @@
 // TransferEngine: one libfabric RDM endpoint, its registered memory, its peers and peer
-// groups, and one progress thread that drains the completion queue.
+// groups, and one progress thread that drains the completion queue (callers blocked in
+// wait/flush poll it too, so a message costs no thread wake-up).
 //
 // Operations (all writes carry a 32-bit immediate, see immediate.h):
 // - scatter: one local source region, a different slice to a different offset on each member
@@ -7,8 +8,11 @@
 //   slice is empty, so receivers know how many to expect.
 // - barrier: an immediate to every member of a group, then wait for every member's.
 // - wait: block until (tag, source) immediates reached an expected count, then consume them.
-// Nothing depends on delivery order; shuffle mode (Config::shuffle_seed != 0) reverses and
-// permutes posting order and holds back completions to apply them in random order.
+// Nothing depends on delivery order; shuffle mode (Config::shuffle_seed != 0) permutes the
+// posting order of each scatter and holds back completions to apply them in random order.
+// Not tested here (no hardware): providers efa and verbs;ofi_rxm, FI_MR_LOCAL / PROV_KEY /
+// ENDPOINT registration paths (shm and tcp;ofi_rxm ask only FI_MR_VIRT_ADDR or nothing) and
+// FI_HMEM (CUDA memory).
 //
 // Thread safety: every public method may be called from any thread (the endpoint is opened
 // FI_THREAD_SAFE); close() must not race other calls.
