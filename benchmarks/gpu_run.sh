@@ -9,6 +9,11 @@
 #   quant    tests/test_quantization.py on the GPU (quantize_fp8 must match the spec there)
 #   cmdbuf   tests/gpu/test_cuda_backend.py with XLA command buffers off, then forced on for custom calls
 #   bench    bench_dispatch_combine.py for the cuda backend at decode and prefill sizes
+#   allreduce  tests/gpu/test_all_reduce_gpu.py (1 and 2 GPUs in one process; the loop tests again
+#            with command buffers forced on for custom calls) and the 2-process job
+#   arbench  bench_all_reduce.py, bf16, 4 KiB..64 MiB, every method; GIT_COMMIT names the code
+#   arbench_cmdbuf  the same, chained calls only, with command buffers forced on for custom calls
+#            and collectives (file suffix _cmdbuf)
 set -u -o pipefail
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests parity)
@@ -61,6 +66,23 @@ for step in "${steps[@]}"; do
       echo "bench: rc=$?"
       cp /tmp/jax_moe_bench/*.json "$logs/" 2>/dev/null
       tail -30 "$logs/bench.log" ;;
+    allreduce)
+      suite all_reduce_gpu 240 -rs tests/gpu/test_all_reduce_gpu.py
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
+        suite all_reduce_cmdbuf_forced 120 tests/gpu/test_all_reduce_gpu.py -k "loop or chained"
+      suite all_reduce_mp 240 -rs tests/gpu/test_all_reduce_multiprocess.py ;;
+    arbench)
+      timeout -s KILL 300 python3 benchmarks/bench_all_reduce.py --git-commit "${GIT_COMMIT:-unknown}" \
+        --out "$logs" > "$logs/bench_all_reduce.log" 2>&1
+      echo "arbench: rc=$?"
+      tail -40 "$logs/bench_all_reduce.log" ;;
+    arbench_cmdbuf)
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,COLLECTIVES --xla_gpu_graph_min_graph_size=1" \
+        timeout -s KILL 200 python3 benchmarks/bench_all_reduce.py --git-commit "${GIT_COMMIT:-unknown}" \
+        --modes chain --sizes 4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,8MiB,16MiB,64MiB --tag cmdbuf \
+        --out "$logs" > "$logs/bench_all_reduce_cmdbuf.log" 2>&1
+      echo "arbench_cmdbuf: rc=$?"
+      tail -24 "$logs/bench_all_reduce_cmdbuf.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -1,4 +1,5 @@
-"""PNG of one result file: median time per method with its p10-p90 spread."""
+"""PNGs of result files: dispatch/combine (median time per method with its p10-p90 spread)
+and all-reduce (time and speedup over psum against message size)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,53 @@ def plot_results(payload: dict, path: Path) -> bool:
     ax.text(max(m, r["time"]["p90_us"]), i, f" {m:.1f}", va="center", fontsize=7)
   ax.legend(handles=[matplotlib.patches.Patch(color=c, label=f) for f, c in FAMILY_COLORS.items()],
             loc="lower right", fontsize=8)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+ALL_REDUCE_STYLES = {"one_shot": "tab:blue", "two_shot": "tab:green", "auto": "tab:purple",
+                     "psum": "tab:orange"}
+
+
+def plot_all_reduce(payload: dict, path: Path) -> bool:
+  """Median time per call against message size (log-log) and the speedup over psum, one line
+  per method; solid lines for the fori_loop mode, dashed for the chained mode."""
+  rows = [r for r in payload["results"] if r["status"] == "ok" and r.get("time")]
+  if not rows:
+    return False
+  fig, (ax_time, ax_speed) = plt.subplots(1, 2, figsize=(13, 5))
+  for mode, style in (("loop", "-"), ("chain", "--")):
+    psum = {r["size_bytes"]: r["time"]["median_us"] for r in rows
+            if r["mode"] == mode and r["method"] == "psum"}
+    for method, color in ALL_REDUCE_STYLES.items():
+      mine = sorted((r["size_bytes"], r["time"]["median_us"]) for r in rows
+                    if r["mode"] == mode and r["method"] == method)
+      if not mine:
+        continue
+      sizes, medians = zip(*mine)
+      ax_time.plot(sizes, medians, style, marker="o", ms=3, color=color, label=f"{method} ({mode})")
+      if method != "psum" and psum:
+        pairs = [(s, psum[s] / m) for s, m in mine if s in psum and m > 0]
+        if pairs:
+          ax_speed.plot(*zip(*pairs), style, marker="o", ms=3, color=color,
+                        label=f"{method} ({mode})")
+  for ax in (ax_time, ax_speed):
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes per rank")
+    ax.grid(True, which="both", alpha=0.3)
+  ax_time.set_yscale("log")
+  ax_time.set_ylabel("microseconds per call (median)")
+  ax_speed.set_ylabel("psum time / method time")
+  ax_speed.axhline(1.0, color="black", lw=0.8)
+  ax_speed.axhline(3.0, color="gray", lw=0.8, ls=":")
+  ax_time.legend(fontsize=7)
+  ax_speed.legend(fontsize=7)
+  env, cfg = payload["environment"], payload["config"]
+  fig.suptitle(f"all-reduce, {cfg['dtype']}, {env['device_count']} x {env['device_kind']}, "
+               f"jax {env['jax_version']}, commit {str(env['git_commit'])[:10]}", fontsize=10)
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=120)

@@ -1,4 +1,5 @@
-// Launchers of the CUDA dispatch/combine kernels: plain pointers, sizes and a stream.
+// Launchers of the CUDA dispatch/combine and all-reduce kernels: plain pointers, sizes and a
+// stream.
 // Every launcher enqueues its kernels on `stream` and returns the launch status; none blocks
 // the host. Buffers are row-major; shapes use the MoeDims names (T, H, K, R, L, C = capacity).
 #pragma once
@@ -7,6 +8,7 @@
 
 #include <cstdint>
 
+#include "cuda/all_reduce_layout.cuh"
 #include "cuda/layout.cuh"
 
 namespace jax_moe {
@@ -43,5 +45,34 @@ cudaError_t launch_combine_send(const CommView& view, const void* y, const int32
 // out bf16 [T, H].
 cudaError_t launch_combine_recv(const CommView& view, const int32_t* send_dest,
                                 const float* topk_weights, void* out, cudaStream_t stream);
+
+// Element type of an all-reduce; every type is summed in f32 and rounded once.
+enum ReduceDtype : int {
+  kReduceF32 = 0,
+  kReduceBf16 = 1,
+  kReduceF16 = 2,
+};
+
+// All-reduce (sum) of x [n] over the view's ranks into out [n] (x and out 16-byte aligned,
+// n * element size <= lay.slot_bytes). Every rank sums the R values of an element in rank
+// order 0..R-1 in f32 and rounds once, so all ranks get bit-identical results, and one-shot,
+// two-shot and the reference agree bit for bit. Waits time out into the view's error record.
+// One-shot: each rank pushes its input into every peer's buffer, then reduces all of them.
+cudaError_t launch_all_reduce_one_shot(const CommView& view, const AllReduceLayout& lay,
+                                       ReduceDtype dtype, const void* x, void* out, int64_t n,
+                                       cudaStream_t stream);
+// Two-shot: rank s reduces segment s of the message (reduce-scatter through the peers'
+// buffers), then pushes it to every peer (all-gather).
+cudaError_t launch_all_reduce_two_shot(const CommView& view, const AllReduceLayout& lay,
+                                       ReduceDtype dtype, const void* x, void* out, int64_t n,
+                                       cudaStream_t stream);
+// NVLS: `multicast` is a multicast mapping (every rank's copy of one [2][2][slot_bytes]
+// region), `unicast` this rank's own copy of it. Rank s sums segment s of every copy with
+// multimem.ld_reduce and stores the sum to every copy with multimem.st; the view's buffer
+// carries only the flags. The order of the sum is the switch's: bit-identical on every rank
+// (one value is stored to all), not necessarily to the other algorithms. Not yet run.
+cudaError_t launch_all_reduce_nvls(const CommView& view, const AllReduceLayout& lay,
+                                   char* multicast, char* unicast, ReduceDtype dtype,
+                                   const void* x, void* out, int64_t n, cudaStream_t stream);
 
 }  // namespace jax_moe

@@ -42,6 +42,10 @@ enum Stage : int32_t {
   kStageDispatchRecv = 2,
   kStageCombineSend = 3,
   kStageCombineRecv = 4,
+  kStageAllReduceOneShot = 5,   // one-shot all-reduce: waiting for the peers' inputs
+  kStageAllReduceScatter = 6,   // two-shot phase 1: waiting for the peers' segments
+  kStageAllReduceGather = 7,    // two-shot phase 2: waiting for the peers' reduced segments
+  kStageAllReduceNvls = 8,      // multimem all-reduce: waiting at one of its two barriers
 };
 
 // The first error a device records; lives in mapped pinned host memory so the host reads it
@@ -57,7 +61,8 @@ struct ErrorRecord {
 struct DeviceCounters {
   uint64_t dispatch_seq;     // sequence of the last dispatch_send (advanced by its last block)
   uint64_t combine_seq;      // sequence of the last combine_send
-  uint32_t blocks_done[4];   // last-block-done counters, one per kernel that publishes (see kDone*)
+  uint64_t all_reduce_seq;   // sequence of the last all-reduce (advanced by its last block)
+  uint32_t blocks_done[5];   // last-block-done counters, one per kernel that publishes (see kDone*)
   int32_t error_claimed;     // 0 until a kernel claims the error record (first error wins)
   int32_t aborted;           // set on a timeout so every other waiter gives up at once
 };
@@ -67,6 +72,7 @@ enum DoneCounter : int {
   kDoneDispatchPlace = 1,
   kDoneCombineSend = 2,
   kDoneCombineRecv = 3,
+  kDoneAllReduce = 4,
 };
 
 JAX_MOE_HD inline size_t align_up(size_t value, size_t alignment) {

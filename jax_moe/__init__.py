@@ -1,5 +1,7 @@
-"""jax-moe: expert-parallel MoE dispatch/combine for JAX (see DESIGN.md)."""
+"""jax-moe: expert-parallel MoE dispatch/combine and a small-message all-reduce for JAX
+(see DESIGN.md)."""
 
+from jax_moe.all_reduce import AllReduce
 from jax_moe.communicator import Communicator, Dispatched, available_backends
 from jax_moe.config import MoEConfig
 from jax_moe.errors import CommError, ErrorCode, Stage
@@ -7,6 +9,6 @@ from jax_moe.native import build_info
 from jax_moe.quantization import dequantize_fp8, quantize_fp8
 
 __all__ = [
-    "CommError", "Communicator", "Dispatched", "ErrorCode", "MoEConfig", "Stage",
+    "AllReduce", "CommError", "Communicator", "Dispatched", "ErrorCode", "MoEConfig", "Stage",
     "available_backends", "build_info", "dequantize_fp8", "quantize_fp8",
 ]

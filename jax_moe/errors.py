@@ -1,4 +1,4 @@
-"""Run-time errors of a Communicator: the error word's codes and CommError.
+"""Run-time errors of a Communicator or AllReduce: the error word's codes and CommError.
 
 Kernels (and the xla backend's host callback) record the first error of a communicator as
 four int32 words `(code, stage, rank, detail)`; `Communicator.check()` raises it.
@@ -23,6 +23,10 @@ class Stage(enum.IntEnum):
   DISPATCH_RECV = 2
   COMBINE_SEND = 3
   COMBINE_RECV = 4
+  ALL_REDUCE_ONE_SHOT = 5   # waiting for the peers' inputs
+  ALL_REDUCE_SCATTER = 6    # two-shot: waiting for the peers' parts of this rank's segment
+  ALL_REDUCE_GATHER = 7     # two-shot: waiting for the peers' reduced segments
+  ALL_REDUCE_NVLS = 8       # multimem: waiting at one of its two barriers
 
 
 _HINTS = {

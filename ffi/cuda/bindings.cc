@@ -1,4 +1,5 @@
-// Python bindings of the CUDA backend (state setup, peer mapping, error record, teardown)
+// Python bindings of the CUDA backend (state setup, peer mapping, error record, teardown, the
+// NVLS gate)
 // and its FFI target capsules. Declared in ffi/native_cuda.h; used by jax_moe/backends/cuda.py.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "ffi/cuda/handlers.h"
+#include "ffi/cuda/multicast.h"
 #include "ffi/cuda/state.h"
 #include "ffi/native_cuda.h"
 
@@ -42,6 +44,17 @@ void bind_cuda(nb::module_& m) {
       nb::arg("block_size"), nb::arg("expert_padding"), nb::arg("capacity"), nb::arg("fp8"),
       nb::arg("reduce_expert"), nb::arg("partial_bf16"), nb::arg("timeout_s"),
       "Allocates the buffers of one rank of a CUDA communicator on local device `ordinal`.");
+  m.def("cuda_create_all_reduce_rank", &create_all_reduce_state, nb::arg("comm_id"),
+        nb::arg("ordinal"), nb::arg("rank"), nb::arg("world"), nb::arg("max_bytes"),
+        nb::arg("timeout_s"),
+        "Allocates the buffers of one rank of an AllReduce on local device `ordinal`.");
+  m.def("cuda_nvls_refusal", &nvls_refusal, nb::arg("ordinal"),
+        "Why NVLS must not be used on device `ordinal`, or '' when it may (no multicast call).");
+  m.def("cuda_setup_nvls", &setup_nvls, nb::arg("comm_id"), nb::arg("ordinals"),
+        "Gate, then one multicast object over the AllReduce group on local devices `ordinals` "
+        "(rank order).");
+  m.def("cuda_teardown_nvls", &teardown_nvls, nb::arg("comm_id"),
+        "Releases the AllReduce's multicast objects, if any.");
   m.def(
       "cuda_ipc_handle",
       [](int64_t comm_id, int ordinal) {
@@ -84,6 +97,7 @@ void add_cuda_targets(nb::dict& targets) {
   targets["jax_moe_combine_send"] = capsule(CombineSendFfi);
   targets["jax_moe_combine_recv"] = capsule(CombineRecvFfi);
   targets["jax_moe_combine"] = capsule(CombineFfi);
+  targets["jax_moe_all_reduce"] = capsule(AllReduceFfi);
 }
 
 }  // namespace jax_moe

@@ -1,6 +1,7 @@
 // The XLA FFI handlers of the CUDA backend (platform "CUDA"), one per target:
 //   jax_moe_dispatch_send / _recv / jax_moe_dispatch  (ffi/cuda/dispatch.cc)
 //   jax_moe_combine_send / _recv / jax_moe_combine    (ffi/cuda/combine.cc)
+//   jax_moe_all_reduce                                (ffi/cuda/all_reduce.cc)
 #pragma once
 
 #include "xla/ffi/api/c_api.h"
@@ -12,4 +13,5 @@ XLA_FFI_Error* DispatchFfi(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CombineSendFfi(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CombineRecvFfi(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CombineFfi(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* AllReduceFfi(XLA_FFI_CallFrame* call_frame);
 }

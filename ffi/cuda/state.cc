@@ -75,6 +75,55 @@ void free_state(CudaRankState& s) {
   cudaGetLastError();
 }
 
+void check_timeout(double timeout_s) {
+  if (!(timeout_s > 0)) throw std::invalid_argument("JAX_MOE_TIMEOUT_S must be positive");
+}
+
+// Allocates what every kind of state has (buffer of buffer_bytes, counters, peer table, error
+// record), then `extra(s)`, and registers the state; frees everything when any step throws.
+template <typename Extra>
+void create_state(std::unique_ptr<CudaRankState> state, size_t buffer_bytes, Extra extra) {
+  CudaRankState& s = *state;
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  if (registry().count({s.comm_id, s.ordinal}))
+    throw std::invalid_argument("jax_moe cuda backend: rank state exists for " +
+                                key_text(s.comm_id, s.ordinal));
+  try {
+    check_cuda(cudaSetDevice(s.ordinal), "cudaSetDevice");
+    int sms = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, s.ordinal),
+               "cudaDeviceGetAttribute(multiProcessorCount)");
+    s.max_blocks = sms > 1 ? sms / 2 : 1;  // leave half the SMs to other streams
+    check_cuda(cudaMalloc(&s.buffer, buffer_bytes), "cudaMalloc(communication buffer)");
+    check_cuda(cudaMemset(s.buffer, 0, buffer_bytes), "cudaMemset(communication buffer)");
+    check_cuda(cudaMalloc(&s.counters, sizeof(DeviceCounters)), "cudaMalloc(counters)");
+    check_cuda(cudaMemset(s.counters, 0, sizeof(DeviceCounters)), "cudaMemset(counters)");
+    check_cuda(cudaMalloc(&s.peers_device, sizeof(char*) * s.dims.world), "cudaMalloc(peer table)");
+    check_cuda(cudaHostAlloc(&s.error_host, sizeof(ErrorRecord),
+                             cudaHostAllocMapped | cudaHostAllocPortable),
+               "cudaHostAlloc(error record)");
+    std::memset(s.error_host, 0, sizeof(ErrorRecord));
+    check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.error_device), s.error_host, 0),
+               "cudaHostGetDevicePointer(error record)");
+    extra(s);
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  } catch (...) {
+    free_state(s);
+    throw;
+  }
+  registry()[{s.comm_id, s.ordinal}] = std::move(state);
+}
+
+std::unique_ptr<CudaRankState> new_state(int64_t comm_id, int ordinal, const MoeDims& dims,
+                                         double timeout_s) {
+  auto state = std::make_unique<CudaRankState>();
+  state->comm_id = comm_id;
+  state->ordinal = ordinal;
+  state->dims = dims;
+  state->timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  return state;
+}
+
 }  // namespace
 
 CommView CudaRankState::view() const {
@@ -97,45 +146,36 @@ int32_t CudaRankState::pending_error() const {
 
 void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s) {
   validate_dims(dims);
-  if (!(timeout_s > 0)) throw std::invalid_argument("JAX_MOE_TIMEOUT_S must be positive");
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  if (registry().count({comm_id, ordinal}))
-    throw std::invalid_argument("jax_moe cuda backend: rank state exists for " +
-                                key_text(comm_id, ordinal));
-  auto state = std::make_unique<CudaRankState>();
-  CudaRankState& s = *state;
-  s.comm_id = comm_id;
-  s.ordinal = ordinal;
-  s.dims = dims;
-  s.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
-  try {
-    check_cuda(cudaSetDevice(ordinal), "cudaSetDevice");
-    int sms = 0;
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinal),
-               "cudaDeviceGetAttribute(multiProcessorCount)");
-    s.max_blocks = sms > 1 ? sms / 2 : 1;  // leave half the SMs to other streams
-    const BufferLayout lay = buffer_layout(dims);
-    check_cuda(cudaMalloc(&s.buffer, lay.total), "cudaMalloc(communication buffer)");
-    check_cuda(cudaMemset(s.buffer, 0, lay.total), "cudaMemset(communication buffer)");
-    check_cuda(cudaMalloc(&s.counters, sizeof(DeviceCounters)), "cudaMalloc(counters)");
-    check_cuda(cudaMemset(s.counters, 0, sizeof(DeviceCounters)), "cudaMemset(counters)");
-    const size_t counts = size_t(dims.world) * dims.local_experts;
-    const size_t slots = size_t(dims.world) * dims.max_tokens * dims.topk;
-    check_cuda(cudaMalloc(&s.expert_counts, 4 * counts), "cudaMalloc(expert counts)");
-    check_cuda(cudaMalloc(&s.slot_rank, 4 * slots), "cudaMalloc(slot ranks)");
-    check_cuda(cudaMalloc(&s.peers_device, sizeof(char*) * dims.world), "cudaMalloc(peer table)");
-    check_cuda(cudaHostAlloc(&s.error_host, sizeof(ErrorRecord),
-                             cudaHostAllocMapped | cudaHostAllocPortable),
-               "cudaHostAlloc(error record)");
-    std::memset(s.error_host, 0, sizeof(ErrorRecord));
-    check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.error_device), s.error_host, 0),
-               "cudaHostGetDevicePointer(error record)");
-    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  } catch (...) {
-    free_state(s);
-    throw;
-  }
-  registry()[{comm_id, ordinal}] = std::move(state);
+  check_timeout(timeout_s);
+  create_state(new_state(comm_id, ordinal, dims, timeout_s), buffer_layout(dims).total,
+               [](CudaRankState& s) {
+                 const MoeDims& d = s.dims;
+                 const size_t counts = size_t(d.world) * d.local_experts;
+                 const size_t slots = size_t(d.world) * d.max_tokens * d.topk;
+                 check_cuda(cudaMalloc(&s.expert_counts, 4 * counts), "cudaMalloc(expert counts)");
+                 check_cuda(cudaMalloc(&s.slot_rank, 4 * slots), "cudaMalloc(slot ranks)");
+               });
+}
+
+void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, int64_t max_bytes,
+                             double timeout_s) {
+  if (world < 1 || world > 64)
+    throw std::invalid_argument("AllReduce: axis size must be in [1, 64], got " +
+                                std::to_string(world));
+  if (rank < 0 || rank >= world)
+    throw std::invalid_argument("AllReduce: rank out of range: " + std::to_string(rank));
+  if (max_bytes < 1)
+    throw std::invalid_argument("AllReduce: max_bytes must be positive, got " +
+                                std::to_string(max_bytes));
+  check_timeout(timeout_s);
+  MoeDims dims{};
+  dims.world = world;
+  dims.rank = rank;
+  auto state = new_state(comm_id, ordinal, dims, timeout_s);
+  state->is_all_reduce = true;
+  state->all_reduce = all_reduce_layout(world, size_t(max_bytes));
+  const size_t bytes = state->all_reduce.total;
+  create_state(std::move(state), bytes, [](CudaRankState&) {});
 }
 
 std::string rank_ipc_handle(int64_t comm_id, int ordinal) {

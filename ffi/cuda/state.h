@@ -1,12 +1,15 @@
-// Per-device state of the CUDA backend: one rank of one communicator on one local GPU.
-// Created and connected from Python (ffi/cuda/bindings.cc) outside jit; looked up by the FFI
-// handlers by (comm id, device ordinal), from XLA's per-GPU threads.
+// Per-device state of the CUDA backend: one rank of one communicator (a MoE Communicator or
+// an AllReduce) on one local GPU. Created and connected from Python (ffi/cuda/bindings.cc)
+// outside jit; looked up by the FFI handlers by (comm id, device ordinal), from XLA's per-GPU
+// threads. Both kinds share the peer mapping, the counters and the error record; they differ
+// in the layout of the buffer every peer maps.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "cuda/all_reduce_layout.cuh"
 #include "cuda/layout.cuh"
 
 namespace jax_moe {
@@ -14,8 +17,14 @@ namespace jax_moe {
 struct CudaRankState {
   int64_t comm_id = 0;
   int ordinal = 0;
-  MoeDims dims{};
-  char* buffer = nullptr;                 // this rank's buffer (buffer_layout), cudaMalloc
+  MoeDims dims{};                         // an AllReduce sets only world and rank
+  bool is_all_reduce = false;
+  AllReduceLayout all_reduce{};           // the buffer's layout when is_all_reduce
+  // NVLS (ffi/cuda/multicast.h): this rank's mapping of the multicast region and its own copy
+  // of it; nullptr unless NVLS was set up (never where multicast is refused).
+  char* multicast = nullptr;
+  char* multicast_local = nullptr;
+  char* buffer = nullptr;                 // this rank's buffer (buffer_layout / all_reduce)
   DeviceCounters* counters = nullptr;     // device memory
   int32_t* expert_counts = nullptr;       // device scratch [R][L]
   int32_t* slot_rank = nullptr;           // device scratch [R][T][K]
@@ -35,6 +44,9 @@ struct CudaRankState {
 
 // The functions below throw std::runtime_error / std::invalid_argument (for the bindings).
 void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s);
+// The state of one rank of an AllReduce of messages up to max_bytes.
+void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, int64_t max_bytes,
+                             double timeout_s);
 // CUDA IPC handle (64 bytes) of the rank's buffer, for peers in other processes.
 std::string rank_ipc_handle(int64_t comm_id, int ordinal);
 // Maps every rank's buffer: rank p is driven by this process on device local_ordinals[p]

@@ -1,8 +1,7 @@
 """The `cuda` backend: dispatch/combine as XLA FFI custom calls over NVLink (one node).
 
 Each rank owns one buffer (cuda/layout.cuh), allocated when the Communicator is built and
-mapped by every peer: in one process through peer access, across processes through CUDA IPC
-handles exchanged in the jax.distributed key-value store. Source ranks write routes and token
+mapped by every peer (jax_moe/backends/cuda_ranks.py). Source ranks write routes and token
 rows straight into their destinations' buffers and raise a sequence flag; sequence numbers
 live in device memory and every wait has a timeout (JAX_MOE_TIMEOUT_S, default 10 s).
 
@@ -13,8 +12,6 @@ ffi/cuda/dispatch.cc and ffi/cuda/combine.cc.
 
 from __future__ import annotations
 
-import itertools
-import os
 from typing import NamedTuple
 
 import jax
@@ -22,10 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe import native
+from jax_moe.backends.cuda_ranks import CudaRanks, timeout_s
 from jax_moe.config import MoEConfig
-
-_comm_ids = itertools.count(1)  # every process builds its communicators in the same order
-_KV_TIMEOUT_MS = 120_000
 
 
 class CudaHandle(NamedTuple):
@@ -47,95 +42,35 @@ class CudaCombinePending(NamedTuple):
   topk_weights: jax.Array
 
 
-def _timeout_s() -> float:
-  text = os.environ.get("JAX_MOE_TIMEOUT_S", "10")
-  try:
-    value = float(text)
-  except ValueError:
-    value = -1.0
-  if not value > 0:
-    raise ValueError(f"JAX_MOE_TIMEOUT_S must be a positive number of seconds, got {text!r}")
-  return value
-
-
-def _rank_groups(mesh, axis: str) -> np.ndarray:
-  """[groups, R] devices: each row is one expert-parallel group, in rank order."""
-  devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), -1)
-  return devices.reshape(-1, devices.shape[-1])
-
-
 class CudaBackend:
   name = "cuda"
 
   def __init__(self, cfg: MoEConfig, mesh, axis: str):
-    module = native.load()
-    if module is None or not native.has_cuda():
-      raise ValueError("Communicator(backend='cuda'): jax_moe._native was not built with CUDA "
-                       f"({native.build_info()['native_error'] or 'CUDA off in this build'})")
-    native.register_targets()
-    self._native = module
     self.cfg = cfg
     self.R = mesh.shape[axis]
     self.L = cfg.num_local_experts(self.R)
     self.capacity = cfg.capacity(self.R)
-    self.comm_id = next(_comm_ids)
-    self._ordinals: list[int] = []  # local devices holding a rank of this communicator
-    try:
-      self._connect(_rank_groups(mesh, axis), _timeout_s())
-    except BaseException:
-      self.close()
-      raise
+    self._timeout_s = timeout_s()
+    self._ranks = CudaRanks(mesh, axis, self._create_rank, "Communicator(backend='cuda')")
+    self.comm_id = self._ranks.comm_id
 
-  def _connect(self, groups: np.ndarray, timeout_s: float) -> None:
-    cfg, me = self.cfg, jax.process_index()
-    for group in groups:
-      for rank, device in enumerate(group):
-        if device.process_index != me:
-          continue
-        self._native.cuda_create_rank(
-            comm_id=self.comm_id, ordinal=device.local_hardware_id, rank=rank, world=self.R,
-            max_tokens=cfg.max_tokens, hidden=cfg.hidden, topk=cfg.experts_per_token,
-            num_experts=cfg.num_experts, block_size=cfg.block_size,
-            expert_padding=cfg.expert_padding, capacity=self.capacity, fp8=cfg.is_fp8,
-            reduce_expert=cfg.combine_reduce == "expert",
-            partial_bf16=cfg.partial_dtype == np.dtype(jnp.bfloat16), timeout_s=timeout_s)
-        self._ordinals.append(device.local_hardware_id)
-    for index, group in enumerate(groups):
-      local = [d.local_hardware_id if d.process_index == me else -1 for d in group]
-      if all(o < 0 for o in local):
-        continue
-      handles = self._exchange_ipc_handles(index, group, local)
-      for ordinal in local:
-        if ordinal >= 0:
-          self._native.cuda_connect_rank(self.comm_id, ordinal, local, handles)
-
-  def _exchange_ipc_handles(self, index: int, group, local: list[int]) -> list[bytes]:
-    """IPC handles of the ranks in other processes (b"" for ranks of this process)."""
-    if all(o >= 0 for o in local):
-      return [b""] * len(local)
-    from jax._src import distributed
-    client = distributed.global_state.client
-    if client is None:
-      raise ValueError("Communicator(backend='cuda'): ranks span processes; call "
-                       "jax.distributed.initialize() first")
-    key = lambda rank: f"jax_moe/cuda/{self.comm_id}/{index}/{rank}"  # noqa: E731
-    for rank, ordinal in enumerate(local):
-      if ordinal >= 0:
-        client.key_value_set(key(rank), self._native.cuda_ipc_handle(self.comm_id, ordinal).hex())
-    return [b"" if ordinal >= 0 else
-            bytes.fromhex(client.blocking_key_value_get(key(rank), _KV_TIMEOUT_MS))
-            for rank, ordinal in enumerate(local)]
+  def _create_rank(self, comm_id: int, ordinal: int, rank: int) -> None:
+    cfg = self.cfg
+    native.load().cuda_create_rank(
+        comm_id=comm_id, ordinal=ordinal, rank=rank, world=self.R,
+        max_tokens=cfg.max_tokens, hidden=cfg.hidden, topk=cfg.experts_per_token,
+        num_experts=cfg.num_experts, block_size=cfg.block_size,
+        expert_padding=cfg.expert_padding, capacity=self.capacity, fp8=cfg.is_fp8,
+        reduce_expert=cfg.combine_reduce == "expert",
+        partial_bf16=cfg.partial_dtype == np.dtype(jnp.bfloat16), timeout_s=self._timeout_s)
 
   # ---------------------------------------------------------------- lifecycle
   def check(self):
     """The first recorded error of the local ranks as (code, stage, rank, detail), cleared."""
-    errors = [self._native.cuda_take_error(self.comm_id, o) for o in self._ordinals]
-    errors = [e for e in errors if e is not None]
-    return min(errors, key=lambda e: e[2]) if errors else None
+    return self._ranks.check()
 
   def close(self) -> None:
-    while self._ordinals:
-      self._native.cuda_destroy_rank(self.comm_id, self._ordinals.pop())
+    self._ranks.close()
 
   # ---------------------------------------------------------------- FFI calls
   def _call(self, target: str, result_types, *args):

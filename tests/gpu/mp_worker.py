@@ -19,7 +19,6 @@ writes {"ok": bool, "errors": [...], ...} to --out and exits 0 only when ok.
 import argparse
 import inspect
 import json
-import os
 import sys
 import time
 import traceback
@@ -29,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # reference, checks, moe_runner
 
 from routing_cases import SCENARIOS, routing  # noqa: E402  (numpy only: jax is not imported yet)
+from worker_env import configure_environment  # noqa: E402  (no jax either)
 
-CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 INIT_TIMEOUT_S = 60
 BARRIER_TIMEOUT_MS = 90_000  # longer than a kernel's timeout, so a stuck rank shows as TIMEOUT
 
@@ -66,19 +65,6 @@ def parse_args(argv=None):
     if unknown or not args.scenarios:
         parser.error(f"--scenarios must name some of {SCENARIOS}, got {unknown or 'none'}")
     return args
-
-
-def configure_environment(args):
-    """Before jax is imported: one device per process, memory taken as needed (GPUs are shared)."""
-    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    os.environ.setdefault("JAX_MOE_TIMEOUT_S", "20")
-    if args.platform == "cuda":
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(args.gpu)
-    else:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith(CPU_DEVICE_COUNT_FLAG)]  # tests/conftest.py asks for 8
-        os.environ["XLA_FLAGS"] = " ".join(flags + [f"{CPU_DEVICE_COUNT_FLAG}=1"])
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ class Job:
     options: tuple = ()  # mp_worker.py options
     timeout_s: int = 180
     only_with: str | None = None  # run only when this environment variable is "1"
+    worker: Path = WORKER  # the script each process runs (same command-line contract)
 
     @property
     def num_processes(self):
@@ -75,7 +76,7 @@ def free_loopback_port():
 
 
 def start_worker(job, process_id, port, folder):
-    command = [sys.executable, str(WORKER), "--process-id", str(process_id),
+    command = [sys.executable, str(job.worker), "--process-id", str(process_id),
                "--num-processes", str(job.num_processes), "--port", str(port),
                "--gpu", str(job.gpus[process_id]),
                "--out", str(folder / f"result{process_id}.json"), *job.options]

@@ -1,0 +1,109 @@
+"""The rank states of one CUDA communicator on this process's devices.
+
+A communicator (a MoE `Communicator` with the cuda backend, or an `AllReduce`) has one rank
+state per device of its mesh axis: a buffer allocated by the native layer outside XLA's pool,
+counters and an error record (ffi/cuda/state.h). Ranks on this process's devices map each
+other's buffers through peer access; ranks in other processes exchange CUDA IPC handles
+through the jax.distributed key-value store. Every process must build its communicators in
+the same order: the comm id that names a communicator's keys is a per-process counter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jax_moe import native
+
+_comm_ids = itertools.count(1)
+_KV_TIMEOUT_MS = 120_000
+
+
+def timeout_s() -> float:
+  """Every wait's timeout in seconds: JAX_MOE_TIMEOUT_S, default 10."""
+  text = os.environ.get("JAX_MOE_TIMEOUT_S", "10")
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not value > 0:
+    raise ValueError(f"JAX_MOE_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+  return value
+
+
+def rank_groups(mesh, axis: str) -> np.ndarray:
+  """[groups, R] devices: each row is one group along `axis`, in rank order."""
+  devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), -1)
+  return devices.reshape(-1, devices.shape[-1])
+
+
+class CudaRanks:
+  """Creates, connects, checks and frees the local rank states of one communicator.
+
+  `create(comm_id, ordinal, rank)` allocates the state of one rank on local device `ordinal`
+  (a binding of the native module); `owner` names the Python class in error messages.
+  """
+
+  def __init__(self, mesh, axis: str, create: Callable[[int, int, int], None], owner: str):
+    module = native.load()
+    if module is None or not native.has_cuda():
+      raise ValueError(f"{owner}: jax_moe._native was not built with CUDA "
+                       f"({native.build_info()['native_error'] or 'CUDA off in this build'})")
+    native.register_targets()
+    self._native = module
+    self._owner = owner
+    self.comm_id = next(_comm_ids)
+    self.ordinals: list[int] = []  # local devices holding a rank of this communicator
+    try:
+      self._connect(rank_groups(mesh, axis), create)
+    except BaseException:
+      self.close()
+      raise
+
+  def _connect(self, groups: np.ndarray, create) -> None:
+    me = jax.process_index()
+    for group in groups:
+      for rank, device in enumerate(group):
+        if device.process_index != me:
+          continue
+        create(self.comm_id, device.local_hardware_id, rank)
+        self.ordinals.append(device.local_hardware_id)
+    for index, group in enumerate(groups):
+      local = [d.local_hardware_id if d.process_index == me else -1 for d in group]
+      if all(o < 0 for o in local):
+        continue
+      handles = self._exchange_ipc_handles(index, local)
+      for ordinal in local:
+        if ordinal >= 0:
+          self._native.cuda_connect_rank(self.comm_id, ordinal, local, handles)
+
+  def _exchange_ipc_handles(self, index: int, local: list[int]) -> list[bytes]:
+    """IPC handles of the ranks in other processes (b"" for ranks of this process)."""
+    if all(o >= 0 for o in local):
+      return [b""] * len(local)
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None:
+      raise ValueError(f"{self._owner}: ranks span processes; call "
+                       "jax.distributed.initialize() first")
+    key = lambda rank: f"jax_moe/cuda/{self.comm_id}/{index}/{rank}"  # noqa: E731
+    for rank, ordinal in enumerate(local):
+      if ordinal >= 0:
+        client.key_value_set(key(rank), self._native.cuda_ipc_handle(self.comm_id, ordinal).hex())
+    return [b"" if ordinal >= 0 else
+            bytes.fromhex(client.blocking_key_value_get(key(rank), _KV_TIMEOUT_MS))
+            for rank, ordinal in enumerate(local)]
+
+  def check(self):
+    """The first recorded error of the local ranks as (code, stage, rank, detail), cleared."""
+    errors = [self._native.cuda_take_error(self.comm_id, o) for o in self.ordinals]
+    errors = [e for e in errors if e is not None]
+    return min(errors, key=lambda e: e[2]) if errors else None
+
+  def close(self) -> None:
+    while self.ordinals:
+      self._native.cuda_destroy_rank(self.comm_id, self.ordinals.pop())
