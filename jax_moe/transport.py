@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jax_moe import native
-from jax_moe.backends.cuda import _timeout_s
+from jax_moe.backends.cuda_ranks import timeout_s as default_timeout_s
 
 
 def available() -> bool:
@@ -76,7 +76,7 @@ class TransferEngine:
     if provider is None:
       provider = os.environ.get("FI_PROVIDER", "")
     self.rank = rank
-    self.timeout_s = _timeout_s() if timeout_s is None else float(timeout_s)
+    self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
     if not self.timeout_s > 0:
       raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     self._engine = module.TransferEngine(rank, provider, node or "", self.timeout_s,

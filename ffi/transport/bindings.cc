@@ -75,14 +75,17 @@ void bind_transport(nb::module_& m) {
              d["cuda_memory"] = f.cuda_memory;
              return d;
            })
-      .def("add_peer", [](TransferEngine& e, const nb::bytes& card) { e.add_peer(as_string(card)); })
+      .def("add_peer",
+           [](TransferEngine& e, const nb::bytes& card) { e.add_peer(as_string(card)); })
       .def("register_memory",
            [](TransferEngine& e, uintptr_t address, uint64_t size, int cuda_device) {
              return e.register_memory(reinterpret_cast<void*>(address), size, cuda_device);
            },
            nb::arg("address"), nb::arg("size"), nb::arg("cuda_device") = -1)
       .def("region_descriptor",
-           [](const TransferEngine& e, int region) { return as_bytes(e.region_descriptor(region)); })
+           [](const TransferEngine& e, int region) {
+             return as_bytes(e.region_descriptor(region));
+           })
       .def("deregister_memory", &TransferEngine::deregister_memory)
       .def("create_group",
            [](TransferEngine& e, const std::vector<std::pair<uint32_t, nb::bytes>>& members) {

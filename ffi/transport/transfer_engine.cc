@@ -27,7 +27,8 @@ constexpr uint32_t kApiVersion =
 
 // Device memory (FI_HMEM caps, fi_mr_attr::iface) arrived in libfabric 1.10; the engine
 // registers CUDA buffers only in builds with CUDA and headers that new.
-#if defined(JAX_MOE_WITH_CUDA) && FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION) >= FI_VERSION(1, 10)
+#if defined(JAX_MOE_WITH_CUDA) && \
+    FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION) >= FI_VERSION(1, 10)
 #define JAX_MOE_FABRIC_HMEM 1
 #else
 #define JAX_MOE_FABRIC_HMEM 0
@@ -161,7 +162,8 @@ void TransferEngine::open_fabric() {
   fi_freeinfo(hints);
   if (ret != 0 || info_ == nullptr) {
     const std::string provider = config_.provider.empty() ? "any provider" : config_.provider;
-    throw TransportError("fi_getinfo found no RDM endpoint with RMA writes and remote CQ data for " +
+    throw TransportError("fi_getinfo found no RDM endpoint with RMA writes and remote CQ data "
+                         "for " +
                          provider + (node ? std::string(" on ") + node : std::string()) + ": " +
                          fi_strerror(-ret) + " (check `fi_info -p <provider>`)");
   }
@@ -530,7 +532,8 @@ void TransferEngine::wait(uint32_t tag, const std::vector<std::pair<uint32_t, ui
         return;
       }
       if (!failure_.empty()) {
-        throw TransportError("rank " + std::to_string(config_.rank) + ", " + what + ": " + failure_);
+        throw TransportError("rank " + std::to_string(config_.rank) + ", " + what + ": " +
+                             failure_);
       }
       if (Clock::now() >= deadline) {
         std::string missing;
@@ -600,7 +603,9 @@ size_t TransferEngine::open_regions() const {
 
 void TransferEngine::throw_if_failed() {
   std::lock_guard<std::mutex> lock(progress_mutex_);
-  if (!failure_.empty()) throw TransportError("rank " + std::to_string(config_.rank) + ": " + failure_);
+  if (!failure_.empty()) {
+    throw TransportError("rank " + std::to_string(config_.rank) + ": " + failure_);
+  }
 }
 
 void TransferEngine::fail(const std::string& message) {
@@ -682,7 +687,9 @@ void TransferEngine::read_error_entry() {
   fi_cq_err_entry err{};
   const ssize_t ret = fi_cq_readerr(cq_, &err, 0);
   if (ret < 0) {
-    if (ret != -FI_EAGAIN) fail(std::string("fi_cq_readerr: ") + fi_strerror(static_cast<int>(-ret)));
+    if (ret != -FI_EAGAIN) {
+      fail(std::string("fi_cq_readerr: ") + fi_strerror(static_cast<int>(-ret)));
+    }
     return;
   }
   char provider_text[256] = {0};

@@ -39,7 +39,7 @@ namespace jax_moe::transport {
 
 struct Config {
   uint32_t rank = 0;            // this engine's rank; the source field of its immediates
-  std::string provider;         // "shm", "tcp;ofi_rxm", "verbs;ofi_rxm", "efa"; "" = FI_PROVIDER or any
+  std::string provider;         // "shm", "tcp;ofi_rxm", "verbs;ofi_rxm", "efa"; "": any
   std::string node;             // source address for socket providers ("127.0.0.1"); "" = default
   double timeout_s = 10.0;      // default bound of every wait and of a post retried on FI_EAGAIN
   uint64_t shuffle_seed = 0;    // != 0: test mode that reorders posts and completions

@@ -58,7 +58,9 @@ class Reader {
   }
 
   void expect_end() {
-    if (pos_ != bytes_.size()) fail("has " + std::to_string(bytes_.size() - pos_) + " trailing bytes");
+    if (pos_ != bytes_.size()) {
+      fail("has " + std::to_string(bytes_.size() - pos_) + " trailing bytes");
+    }
   }
 
   [[noreturn]] void fail(const std::string& why) const {
