@@ -13,6 +13,7 @@ Single process only for now: ranks in other processes would go through the Trans
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -21,15 +22,25 @@ import numpy as np
 from jax_moe import native
 from jax_moe.backends.cuda import CudaBackend
 from jax_moe.backends.cuda_ranks import rank_groups
-from jax_moe.backends.ordered_ffi import ordered_ffi_call
 
 _comm_ids = itertools.count(1)
 
 
+@functools.cache
+def _ordered_ffi():
+  """backends/ordered_ffi.py, or None where this jax lacks the internals it uses."""
+  try:
+    from jax_moe.backends import ordered_ffi
+  except (ImportError, AttributeError):
+    return None
+  return ordered_ffi
+
+
 def has_host() -> bool:
-  """True when the native module (which always carries the host handlers) is loaded."""
+  """True when the native module (which always carries the host handlers) is loaded and this
+  jax can order FFI calls (backends/ordered_ffi.py uses JAX internals)."""
   module = native.load()
-  return module is not None and hasattr(module, "host_create_rank")
+  return module is not None and hasattr(module, "host_create_rank") and _ordered_ffi() is not None
 
 
 class HostRanks:
@@ -41,8 +52,8 @@ class HostRanks:
   def __init__(self, mesh, axis: str, create):
     owner = "Communicator(backend='host')"
     if not has_host():
-      raise ValueError(f"{owner}: jax_moe._native is not built "
-                       f"({native.build_info()['native_error']})")
+      raise ValueError(f"{owner}: needs jax_moe._native (build_info: {native.build_info()}) "
+                       "and a jax whose internals backends/ordered_ffi.py knows")
     groups = rank_groups(mesh, axis)
     if any(d.process_index != jax.process_index() for d in groups.flat):
       raise ValueError(f"{owner}: the mesh spans processes; the host backend's cross-process "
@@ -85,4 +96,5 @@ class HostBackend(CudaBackend):
     native.load().host_create_rank(comm_id=comm_id, ordinal=ordinal, **self._rank_sizes(rank))
 
   def _call(self, target: str, result_types, *args):
-    return ordered_ffi_call(target, result_types, *args, comm_id=np.int64(self.comm_id))
+    return _ordered_ffi().ordered_ffi_call(target, result_types, *args,
+                                           comm_id=np.int64(self.comm_id))
