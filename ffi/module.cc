@@ -3,8 +3,12 @@
 #include <nanobind/nanobind.h>
 
 #include "ffi/build_info.h"
+#include "ffi/native_host.h"
 #ifdef JAX_MOE_WITH_CUDA
 #include "ffi/native_cuda.h"
+#endif
+#ifdef JAX_MOE_WITH_LIBFABRIC
+#include "ffi/native_transport.h"
 #endif
 
 namespace nb = nanobind;
@@ -15,6 +19,7 @@ namespace {
 nb::dict registrations() {
   nb::dict cpu_targets;
   nb::dict cuda_targets;
+  jax_moe::add_host_targets(cpu_targets);
 #ifdef JAX_MOE_WITH_CUDA
   jax_moe::add_cuda_targets(cuda_targets);
 #endif
@@ -31,7 +36,11 @@ NB_MODULE(_native, m) {
   m.def("registrations", &registrations,
         "{platform: {target_name: capsule}} for jax.ffi.register_ffi_target");
   m.def("build_info", &jax_moe::build_info, "What this build contains (CUDA, libfabric, ...)");
+  jax_moe::bind_host(m);
 #ifdef JAX_MOE_WITH_CUDA
   jax_moe::bind_cuda(m);
+#endif
+#ifdef JAX_MOE_WITH_LIBFABRIC
+  jax_moe::bind_transport(m);
 #endif
 }

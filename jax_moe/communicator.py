@@ -11,7 +11,7 @@ import numpy as np
 from jax_moe.config import MoEConfig
 from jax_moe.errors import CommError
 
-BACKENDS = ("xla", "cuda")
+BACKENDS = ("xla", "cuda", "host")
 
 
 class Dispatched(NamedTuple):
@@ -35,6 +35,10 @@ def available_backends(platform: str | None = None) -> list[str]:
   names = ["xla"]
   if platform == "gpu" and native.has_cuda():
     names.append("cuda")
+  if platform == "cpu" and jax.process_count() == 1:
+    from jax_moe.backends.host import has_host
+    if has_host():
+      names.append("host")  # single process only: see jax_moe/backends/host.py
   return names
 
 
@@ -83,6 +87,9 @@ class Communicator:
     if self.backend_name == "cuda":
       from jax_moe.backends.cuda import CudaBackend
       self._backend = CudaBackend(cfg, mesh, axis)
+    elif self.backend_name == "host":
+      from jax_moe.backends.host import HostBackend
+      self._backend = HostBackend(cfg, mesh, axis)
     else:
       from jax_moe.backends.xla import XlaBackend
       self._backend = XlaBackend(cfg, mesh, axis)

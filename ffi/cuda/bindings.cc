@@ -11,6 +11,7 @@
 #include "ffi/cuda/handlers.h"
 #include "ffi/cuda/multicast.h"
 #include "ffi/cuda/state.h"
+#include "ffi/moe_dims.h"
 #include "ffi/native_cuda.h"
 
 namespace nb = nanobind;
@@ -23,20 +24,8 @@ void bind_cuda(nb::module_& m) {
       [](int64_t comm_id, int ordinal, int rank, int world, int max_tokens, int hidden, int topk,
          int num_experts, int block_size, int expert_padding, int capacity, bool fp8,
          bool reduce_expert, bool partial_bf16, double timeout_s) {
-        MoeDims d{};
-        d.world = world;
-        d.rank = rank;
-        d.max_tokens = max_tokens;
-        d.hidden = hidden;
-        d.topk = topk;
-        d.num_experts = num_experts;
-        d.local_experts = num_experts / world;
-        d.block_size = block_size;
-        d.expert_padding = expert_padding;
-        d.capacity = capacity;
-        d.fp8 = fp8;
-        d.reduce_expert = reduce_expert;
-        d.partial_bf16 = partial_bf16;
+        const MoeDims d = moe_dims(rank, world, max_tokens, hidden, topk, num_experts, block_size,
+                                   expert_padding, capacity, fp8, reduce_expert, partial_bf16);
         create_rank_state(comm_id, ordinal, d, timeout_s);
       },
       nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("rank"), nb::arg("world"),

@@ -5,36 +5,10 @@
 #include "cuda/api.cuh"
 #include "ffi/cuda/handler_util.h"
 #include "ffi/cuda/handlers.h"
+#include "ffi/exchange_checks.h"
 
 namespace jax_moe {
 namespace {
-
-ffi::Error check_send(const CallSite& site, const MoeDims& d, ffi::Buffer<ffi::BF16> y,
-                      ffi::Buffer<ffi::S32> slot_rows, ffi::Buffer<ffi::F32> row_weights) {
-  if (auto err = expect_shape(site, "y", y.dimensions(),
-                              {{"capacity", d.capacity}, {"hidden", d.hidden}});
-      err.failure())
-    return err;
-  if (auto err = expect_shape(site, "handle.slot_rows", slot_rows.dimensions(),
-                              {{"axis_size", d.world}, {"max_tokens", d.max_tokens},
-                               {"experts_per_token", d.topk}});
-      err.failure())
-    return err;
-  return expect_shape(site, "handle.row_weights", row_weights.dimensions(),
-                      {{"capacity", d.capacity}});
-}
-
-ffi::Error check_recv(const CallSite& site, const MoeDims& d, ffi::Buffer<ffi::S32> send_dest,
-                      ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::BF16> out) {
-  const NamedDim T{"max_tokens", d.max_tokens}, K{"experts_per_token", d.topk};
-  if (auto err = expect_shape(site, "handle.send_dest", send_dest.dimensions(), {T, K});
-      err.failure())
-    return err;
-  if (auto err = expect_shape(site, "handle.topk_weights", topk_weights.dimensions(), {T, K});
-      err.failure())
-    return err;
-  return expect_shape(site, "out (output)", out.dimensions(), {T, {"hidden", d.hidden}});
-}
 
 ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id,
                            ffi::Buffer<ffi::BF16> y, ffi::Buffer<ffi::S32> slot_rows,
@@ -44,7 +18,8 @@ ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id
   auto state = begin_call(site, comm_id, ordinal);
   if (state.has_error()) return state.error();
   CudaRankState& s = **state;
-  if (auto err = check_send(site, s.dims, y, slot_rows, row_weights); err.failure()) return err;
+  if (auto err = check_combine_send(site, s.dims, y, slot_rows, row_weights); err.failure())
+    return err;
   if (auto err = expect_shape(site, "done (output)", done->dimensions(), {{"1", 1}});
       err.failure())
     return err;
@@ -65,7 +40,7 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id
   CudaRankState& s = **state;
   if (auto err = expect_shape(site, "done", done.dimensions(), {{"1", 1}}); err.failure())
     return err;
-  if (auto err = check_recv(site, s.dims, send_dest, topk_weights, *out); err.failure())
+  if (auto err = check_combine_recv(site, s.dims, send_dest, topk_weights, *out); err.failure())
     return err;
   return launch_result(site, launch_combine_recv(s.view(), send_dest.typed_data(),
                                                  topk_weights.typed_data(), out->untyped_data(),
@@ -81,8 +56,9 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id,
   auto state = begin_call(site, comm_id, ordinal);
   if (state.has_error()) return state.error();
   CudaRankState& s = **state;
-  if (auto err = check_send(site, s.dims, y, slot_rows, row_weights); err.failure()) return err;
-  if (auto err = check_recv(site, s.dims, send_dest, topk_weights, *out); err.failure())
+  if (auto err = check_combine_send(site, s.dims, y, slot_rows, row_weights); err.failure())
+    return err;
+  if (auto err = check_combine_recv(site, s.dims, send_dest, topk_weights, *out); err.failure())
     return err;
   if (auto err = expect_shape(site, "done (output)", done->dimensions(), {{"1", 1}});
       err.failure())

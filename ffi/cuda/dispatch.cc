@@ -5,90 +5,20 @@
 #include "cuda/api.cuh"
 #include "ffi/cuda/handler_util.h"
 #include "ffi/cuda/handlers.h"
+#include "ffi/exchange_checks.h"
 
 namespace jax_moe {
 namespace {
-
-// `x_scales` is f32 [T, H/bs] when x holds fp8 codes, and the empty f32 [0] when x is bf16.
-ffi::ErrorOr<TokenInput> check_send(const CallSite& site, const MoeDims& d, ffi::AnyBuffer x,
-                                    ffi::AnyBuffer x_scales, ffi::Buffer<ffi::S32> topk_ids,
-                                    ffi::Buffer<ffi::F32> topk_weights,
-                                    ffi::Buffer<ffi::S32> num_tokens,
-                                    ffi::Buffer<ffi::S32> send_dest) {
-  const NamedDim T{"max_tokens", d.max_tokens}, H{"hidden", d.hidden},
-      K{"experts_per_token", d.topk};
-  TokenInput input = d.fp8 ? kInputBf16Quantize : kInputBf16;
-  if (x.element_type() == ffi::DataType::F8E4M3FN && d.fp8) {
-    input = kInputFp8;
-  } else if (auto err = expect_dtype(site, "x", x.element_type(), ffi::DataType::BF16);
-             err.failure()) {
-    return ffi::Unexpected(err);
-  }
-  if (auto err = expect_shape(site, "x", x.dimensions(), {T, H}); err.failure()) return ffi::Unexpected(err);
-  if (auto err = expect_dtype(site, "x_scales", x_scales.element_type(), ffi::DataType::F32);
-      err.failure())
-    return ffi::Unexpected(err);
-  const ffi::Error scales_ok =
-      input == kInputFp8
-          ? expect_shape(site, "x_scales", x_scales.dimensions(),
-                         {T, {"hidden/block_size", d.hidden / d.block_size}})
-          : expect_shape(site, "x_scales (absent with bf16 x)", x_scales.dimensions(), {{"0", 0}});
-  if (scales_ok.failure()) return ffi::Unexpected(scales_ok);
-  for (auto [name, dims] : {std::pair{"topk_ids", topk_ids.dimensions()},
-                            std::pair{"topk_weights", topk_weights.dimensions()},
-                            std::pair{"send_dest", send_dest.dimensions()}}) {
-    if (auto err = expect_shape(site, name, dims, {T, K}); err.failure()) return ffi::Unexpected(err);
-  }
-  if (auto err = expect_shape(site, "num_tokens", num_tokens.dimensions(), {{"1", 1}});
-      err.failure())
-    return ffi::Unexpected(err);
-  return input;
-}
-
-ffi::Error check_recv(const CallSite& site, const MoeDims& d, ffi::Result<ffi::AnyBuffer> x,
-                      ffi::Result<ffi::Buffer<ffi::F32>> scales,
-                      ffi::Result<ffi::Buffer<ffi::F32>> weights,
-                      ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
-                      ffi::Result<ffi::Buffer<ffi::S32>> tokens_per_expert,
-                      ffi::Result<ffi::Buffer<ffi::S32>> slot_rows) {
-  const NamedDim C{"capacity", d.capacity}, H{"hidden", d.hidden},
-      L{"num_local_experts", d.local_experts};
-  if (auto err = expect_dtype(site, "x (output)", x->element_type(),
-                              d.fp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16);
-      err.failure())
-    return err;
-  if (auto err = expect_shape(site, "x (output)", x->dimensions(), {C, H}); err.failure())
-    return err;
-  const ffi::Error scales_ok =
-      d.fp8 ? expect_shape(site, "scales (output)", scales->dimensions(),
-                           {C, {"hidden/block_size", d.hidden / d.block_size}})
-            : expect_shape(site, "scales (output, absent with bf16 dispatch)",
-                           scales->dimensions(), {{"0", 0}});
-  if (scales_ok.failure()) return scales_ok;
-  if (auto err = expect_shape(site, "weights (output)", weights->dimensions(), {C});
-      err.failure())
-    return err;
-  if (auto err = expect_shape(site, "group_sizes (output)", group_sizes->dimensions(), {L});
-      err.failure())
-    return err;
-  if (auto err = expect_shape(site, "tokens_per_expert (output)",
-                              tokens_per_expert->dimensions(), {L});
-      err.failure())
-    return err;
-  return expect_shape(site, "slot_rows (output)", slot_rows->dimensions(),
-                      {{"axis_size", d.world}, {"max_tokens", d.max_tokens},
-                       {"experts_per_token", d.topk}});
-}
 
 ffi::Error send(const CallSite& site, CudaRankState& s, cudaStream_t stream, ffi::AnyBuffer x,
                 ffi::AnyBuffer x_scales, ffi::Buffer<ffi::S32> topk_ids,
                 ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> num_tokens,
                 ffi::Result<ffi::Buffer<ffi::S32>> send_dest) {
-  auto input = check_send(site, s.dims, x, x_scales, topk_ids, topk_weights, num_tokens,
-                          *send_dest);
+  auto input = check_dispatch_send(site, s.dims, x, x_scales, topk_ids, topk_weights,
+                                   num_tokens, *send_dest);
   if (input.has_error()) return input.error();
   return launch_result(
-      site, launch_dispatch_send(s.view(), *input, x.untyped_data(),
+      site, launch_dispatch_send(s.view(), static_cast<TokenInput>(*input), x.untyped_data(),
                                  static_cast<const float*>(x_scales.untyped_data()),
                                  topk_ids.typed_data(), topk_weights.typed_data(),
                                  num_tokens.typed_data(), send_dest->typed_data(), stream));
@@ -100,8 +30,8 @@ ffi::Error recv(const CallSite& site, CudaRankState& s, cudaStream_t stream,
                 ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                 ffi::Result<ffi::Buffer<ffi::S32>> tokens_per_expert,
                 ffi::Result<ffi::Buffer<ffi::S32>> slot_rows) {
-  if (auto err = check_recv(site, s.dims, x, scales, weights, group_sizes, tokens_per_expert,
-                            slot_rows);
+  if (auto err = check_dispatch_recv(site, s.dims, x, scales, weights, group_sizes,
+                                     tokens_per_expert, slot_rows);
       err.failure())
     return err;
   return launch_result(
@@ -157,8 +87,8 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id, f
   if (state.has_error()) return state.error();
   CudaRankState& s = **state;
   // Check everything before launching anything, so a bad call leaves no half-done exchange.
-  if (auto err = check_recv(site, s.dims, x_out, scales, weights, group_sizes,
-                            tokens_per_expert, slot_rows);
+  if (auto err = check_dispatch_recv(site, s.dims, x_out, scales, weights, group_sizes,
+                                     tokens_per_expert, slot_rows);
       err.failure())
     return err;
   if (auto err = send(site, s, stream, x, x_scales, topk_ids, topk_weights, num_tokens,

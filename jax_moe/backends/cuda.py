@@ -51,18 +51,25 @@ class CudaBackend:
     self.L = cfg.num_local_experts(self.R)
     self.capacity = cfg.capacity(self.R)
     self._timeout_s = timeout_s()
-    self._ranks = CudaRanks(mesh, axis, self._create_rank, "Communicator(backend='cuda')")
+    self._ranks = self._make_ranks(mesh, axis)
     self.comm_id = self._ranks.comm_id
 
-  def _create_rank(self, comm_id: int, ordinal: int, rank: int) -> None:
+  def _make_ranks(self, mesh, axis: str):
+    return CudaRanks(mesh, axis, self._create_rank, "Communicator(backend='cuda')")
+
+  def _rank_sizes(self, rank: int) -> dict:
+    """One rank's sizes, as the *_create_rank bindings take them."""
     cfg = self.cfg
-    native.load().cuda_create_rank(
-        comm_id=comm_id, ordinal=ordinal, rank=rank, world=self.R,
-        max_tokens=cfg.max_tokens, hidden=cfg.hidden, topk=cfg.experts_per_token,
-        num_experts=cfg.num_experts, block_size=cfg.block_size,
-        expert_padding=cfg.expert_padding, capacity=self.capacity, fp8=cfg.is_fp8,
-        reduce_expert=cfg.combine_reduce == "expert",
-        partial_bf16=cfg.partial_dtype == np.dtype(jnp.bfloat16), timeout_s=self._timeout_s)
+    return dict(rank=rank, world=self.R, max_tokens=cfg.max_tokens, hidden=cfg.hidden,
+                topk=cfg.experts_per_token, num_experts=cfg.num_experts,
+                block_size=cfg.block_size, expert_padding=cfg.expert_padding,
+                capacity=self.capacity, fp8=cfg.is_fp8,
+                reduce_expert=cfg.combine_reduce == "expert",
+                partial_bf16=cfg.partial_dtype == np.dtype(jnp.bfloat16),
+                timeout_s=self._timeout_s)
+
+  def _create_rank(self, comm_id: int, ordinal: int, rank: int) -> None:
+    native.load().cuda_create_rank(comm_id=comm_id, ordinal=ordinal, **self._rank_sizes(rank))
 
   # ---------------------------------------------------------------- lifecycle
   def check(self):

@@ -1,0 +1,61 @@
+// Python bindings of the host backend (declared in ffi/native_host.h); used by
+// jax_moe/backends/host.py.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
+
+#include <vector>
+
+#include "ffi/host/state.h"
+#include "ffi/moe_dims.h"
+#include "ffi/native_host.h"
+
+namespace nb = nanobind;
+
+namespace jax_moe {
+
+void bind_host(nb::module_& m) {
+  m.def(
+      "host_create_rank",
+      [](int64_t comm_id, int ordinal, int rank, int world, int max_tokens, int hidden, int topk,
+         int num_experts, int block_size, int expert_padding, int capacity, bool fp8,
+         bool reduce_expert, bool partial_bf16, double timeout_s) {
+        host::create_host_rank(comm_id, ordinal,
+                               moe_dims(rank, world, max_tokens, hidden, topk, num_experts,
+                                        block_size, expert_padding, capacity, fp8, reduce_expert,
+                                        partial_bf16),
+                               timeout_s);
+      },
+      nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("rank"), nb::arg("world"),
+      nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("topk"), nb::arg("num_experts"),
+      nb::arg("block_size"), nb::arg("expert_padding"), nb::arg("capacity"), nb::arg("fp8"),
+      nb::arg("reduce_expert"), nb::arg("partial_bf16"), nb::arg("timeout_s"),
+      "Allocates the buffer of one rank of a host communicator on CPU device `ordinal`.");
+  m.def("host_connect_rank", &host::connect_host_rank, nb::arg("comm_id"), nb::arg("ordinal"),
+        nb::arg("ordinals"),
+        "Points the rank at every rank's buffer: rank p lives on CPU device ordinals[p].");
+  m.def(
+      "host_take_error",
+      [](int64_t comm_id, int ordinal) -> nb::object {
+        ErrorRecord e{};
+        if (!host::take_host_error(comm_id, ordinal, &e)) return nb::none();
+        return nb::make_tuple(e.code, e.stage, e.rank, e.detail);
+      },
+      nb::arg("comm_id"), nb::arg("ordinal"),
+      "(code, stage, rank, detail) of the recorded error, cleared; None when none.");
+  m.def("host_destroy_rank", &host::destroy_host_rank, nb::arg("comm_id"), nb::arg("ordinal"),
+        "Frees the rank's buffer.");
+}
+
+void add_host_targets(nb::dict& targets) {
+  auto capsule = [](XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
+    return nb::capsule(reinterpret_cast<void*>(fn));
+  };
+  targets["jax_moe_dispatch_send"] = capsule(HostDispatchSendFfi);
+  targets["jax_moe_dispatch_recv"] = capsule(HostDispatchRecvFfi);
+  targets["jax_moe_dispatch"] = capsule(HostDispatchFfi);
+  targets["jax_moe_combine_send"] = capsule(HostCombineSendFfi);
+  targets["jax_moe_combine_recv"] = capsule(HostCombineRecvFfi);
+  targets["jax_moe_combine"] = capsule(HostCombineFfi);
+}
+
+}  // namespace jax_moe

@@ -1,0 +1,307 @@
+#include "ffi/host/exchange.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "ffi/host/numerics.h"
+
+namespace jax_moe::host {
+namespace {
+
+uint64_t* flag_at(char* buffer, size_t offset, int index) {
+  return reinterpret_cast<uint64_t*>(buffer + offset) + index;
+}
+
+void publish(HostRankState& s, size_t offset, uint64_t seq) {
+  for (char* peer : s.peers) {
+    __atomic_store_n(flag_at(peer, offset, s.dims.rank), seq, __ATOMIC_RELEASE);
+  }
+}
+
+// Waits until this rank's flag of every peer p (at `offset`) reached `target`. On timeout
+// records TIMEOUT naming the first late peer and returns false; after one, every later wait
+// of this rank gives up at once and records it again (the sequences no longer agree).
+bool wait_all(HostRankState& s, size_t offset, uint64_t target, int32_t stage) {
+  if (s.timed_out) {
+    s.record_error(kTimeout, stage, s.timeout_peer);
+    return false;
+  }
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(s.timeout_s));
+  for (int p = 0; p < s.dims.world; ++p) {
+    const uint64_t* flag = flag_at(s.buffer, offset, p);
+    while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) < target) {
+      if (Clock::now() > deadline) {
+        s.record_error(kTimeout, stage, p);
+        s.timeout_peer = p;
+        s.timed_out = true;
+        return false;
+      }
+      std::this_thread::yield();  // the peer's device thread may share this core
+    }
+  }
+  return true;
+}
+
+// Start of token t of `source` in the dispatch region of `buffer`.
+char* token_slot(char* buffer, const BufferLayout& lay, const MoeDims& d, int source, int t) {
+  return buffer + lay.recv_tokens + (size_t(source) * d.max_tokens + t) * token_bytes(d);
+}
+
+// fp8 codes of one bf16 row [H] followed by its f32 scales [H/bs], as a dispatch slot holds
+// them (docs/semantics.md "fp8").
+void quantize_row(const MoeDims& d, const uint16_t* row, char* slot) {
+  float* scales = reinterpret_cast<float*>(slot + d.hidden);
+  for (int b = 0; b < d.hidden / d.block_size; ++b) {
+    const uint16_t* block = row + size_t(b) * d.block_size;
+    float amax = 0.f;
+    for (int i = 0; i < d.block_size; ++i) amax = std::fmax(amax, std::fabs(bf16_to_f32(block[i])));
+    amax = std::fmax(amax, 1e-4f);
+    const float multiplier = 448.f / amax;
+    for (int i = 0; i < d.block_size; ++i) {
+      slot[size_t(b) * d.block_size + i] = char(quantize_e4m3(bf16_to_f32(block[i]), multiplier));
+    }
+    scales[b] = amax * kInv448;
+  }
+}
+
+}  // namespace
+
+void dispatch_send(HostRankState& s, RowInput input, const void* x, const float* x_scales,
+                   const int32_t* topk_ids, const float* topk_weights, const int32_t* num_tokens,
+                   int32_t* send_dest) {
+  const MoeDims& d = s.dims;
+  const BufferLayout lay = buffer_layout(d);
+  const int T = d.max_tokens, K = d.topk, H = d.hidden, me = d.rank;
+  const int nb = scale_blocks(d);
+  std::fill(send_dest, send_dest + size_t(T) * K, -1);
+  const uint64_t seq = s.dispatch_seq + 1;
+  // Never overwrite a region its receiver has not consumed yet.
+  if (!wait_all(s, lay.dispatch_ack, seq - 1, kStageDispatchSend)) return;
+
+  const int given = *num_tokens;
+  const int ntok = std::min(std::max(given, 0), T);
+  if (given != ntok) s.record_error(kBadNumTokens, kStageDispatchSend, given);
+  for (char* peer : s.peers) reinterpret_cast<int32_t*>(peer + lay.recv_num_tokens)[me] = ntok;
+
+  std::vector<char> quantized(input == RowInput::kBf16Quantize ? token_bytes(d) : 0);
+  for (int t = 0; t < ntok; ++t) {
+    uint64_t dest_mask = 0;
+    for (int k = 0; k < K; ++k) {
+      int id = topk_ids[t * K + k];
+      if (id < -1 || id >= d.num_experts) {
+        s.record_error(kInvalidExpertId, kStageDispatchSend, id);  // first in (t, k) order
+        id = -1;
+      }
+      const int dest = id >= 0 ? id / d.local_experts : -1;
+      send_dest[t * K + k] = dest;
+      if (dest >= 0) dest_mask |= 1ull << dest;
+      // Every rank gets the route: each counts the slots of its own experts.
+      const size_t slot = (size_t(me) * T + t) * K + k;
+      for (char* peer : s.peers) {
+        reinterpret_cast<int32_t*>(peer + lay.recv_ids)[slot] = id;
+        reinterpret_cast<float*>(peer + lay.recv_weights)[slot] = topk_weights[t * K + k];
+      }
+    }
+    if (dest_mask == 0) continue;
+    // The token crosses to each rank holding one of its slots once.
+    const char* row;
+    if (input == RowInput::kBf16Quantize) {
+      quantize_row(d, static_cast<const uint16_t*>(x) + size_t(t) * H, quantized.data());
+      row = quantized.data();
+    } else if (input == RowInput::kFp8) {
+      // codes [H] then scales [H/bs] at byte H: assembled per destination below
+      row = static_cast<const char*>(x) + size_t(t) * H;
+    } else {
+      row = static_cast<const char*>(x) + size_t(t) * H * 2;
+    }
+    for (int p = 0; p < d.world; ++p) {
+      if (!((dest_mask >> p) & 1)) continue;
+      char* slot = token_slot(s.peers[p], lay, d, me, t);
+      if (input == RowInput::kFp8) {
+        std::memcpy(slot, row, H);
+        std::memcpy(slot + H, x_scales + size_t(t) * nb, sizeof(float) * nb);
+      } else {
+        std::memcpy(slot, row, input == RowInput::kBf16 ? size_t(H) * 2 : token_bytes(d));
+      }
+    }
+  }
+  publish(s, lay.dispatch_flag, seq);
+  s.dispatch_seq = seq;
+}
+
+void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
+                   int32_t* group_sizes, int32_t* tokens_per_expert, int32_t* slot_rows) {
+  const MoeDims& d = s.dims;
+  const BufferLayout lay = buffer_layout(d);
+  const int R = d.world, T = d.max_tokens, K = d.topk, L = d.local_experts, C = d.capacity;
+  const int me = d.rank, nb = scale_blocks(d);
+  const size_t row_bytes = d.fp8 ? size_t(d.hidden) : size_t(d.hidden) * 2;
+  // Padding rows and rows past the total are zero; so is everything after a timeout.
+  std::memset(x, 0, size_t(C) * row_bytes);
+  if (d.fp8) std::fill(scales, scales + size_t(C) * nb, 0.f);
+  std::fill(weights, weights + C, 0.f);
+  std::fill(group_sizes, group_sizes + L, 0);
+  std::fill(tokens_per_expert, tokens_per_expert + L, 0);
+  std::fill(slot_rows, slot_rows + size_t(R) * T * K, -1);
+  const uint64_t seq = s.dispatch_seq;
+  if (!wait_all(s, lay.dispatch_flag, seq, kStageDispatchRecv)) return;
+
+  const int32_t* ids = reinterpret_cast<const int32_t*>(s.buffer + lay.recv_ids);
+  const float* route_w = reinterpret_cast<const float*>(s.buffer + lay.recv_weights);
+  std::vector<int> ntok(R);
+  // expert_counts[s][e]: rows of source s for local expert e; slot_rank: the slot's place
+  // among them, in (t, k) order, so rows keep (s, t, k) order inside each segment.
+  std::fill(s.expert_counts.begin(), s.expert_counts.end(), 0);
+  for (int src = 0; src < R; ++src) {
+    const int n = reinterpret_cast<const int32_t*>(s.buffer + lay.recv_num_tokens)[src];
+    ntok[src] = std::min(std::max(n, 0), T);
+    for (int j = 0; j < ntok[src] * K; ++j) {
+      const size_t slot = size_t(src) * T * K + j;
+      const int e = ids[slot] - me * L;
+      if (e >= 0 && e < L) s.slot_rank[slot] = s.expert_counts[src * L + e]++;
+    }
+  }
+  // Segment e starts at the sum of the padded sizes before it; source s's rows for e follow
+  // those of the sources before s.
+  std::vector<int> first_row(size_t(R) * L);
+  int total = 0;
+  for (int e = 0; e < L; ++e) {
+    int tokens = 0;
+    for (int src = 0; src < R; ++src) {
+      first_row[src * L + e] = total + tokens;
+      tokens += s.expert_counts[src * L + e];
+    }
+    tokens_per_expert[e] = tokens;
+    group_sizes[e] = (tokens + d.expert_padding - 1) / d.expert_padding * d.expert_padding;
+    total += group_sizes[e];
+  }
+  if (total > C) s.record_error(kCapacityOverflow, kStageDispatchRecv, total);
+
+  char* x_rows = static_cast<char*>(x);
+  for (int src = 0; src < R; ++src) {
+    for (int t = 0; t < ntok[src]; ++t) {
+      const char* token = token_slot(s.buffer, lay, d, src, t);
+      for (int k = 0; k < K; ++k) {
+        const size_t slot = (size_t(src) * T + t) * K + k;
+        const int e = ids[slot] - me * L;
+        if (e < 0 || e >= L) continue;
+        const int row = first_row[src * L + e] + s.slot_rank[slot];
+        if (row >= C) {
+          slot_rows[slot] = -2;  // dropped: capacity overflow
+          continue;
+        }
+        slot_rows[slot] = row;
+        weights[row] = route_w[slot];
+        std::memcpy(x_rows + size_t(row) * row_bytes, token, row_bytes);
+        if (d.fp8) std::memcpy(scales + size_t(row) * nb, token + d.hidden, sizeof(float) * nb);
+      }
+    }
+  }
+  publish(s, lay.dispatch_ack, seq);
+}
+
+void combine_send(HostRankState& s, const uint16_t* y, const int32_t* slot_rows,
+                  const float* row_weights, int32_t* done) {
+  const MoeDims& d = s.dims;
+  const BufferLayout lay = buffer_layout(d);
+  const int R = d.world, T = d.max_tokens, K = d.topk, C = d.capacity, H = d.hidden;
+  const int me = d.rank;
+  *done = 0;
+  const uint64_t seq = s.combine_seq + 1;
+  // Never overwrite a combine region its source has not consumed yet.
+  if (!wait_all(s, lay.combine_ack, seq - 1, kStageCombineSend)) return;
+
+  if (!d.reduce_expert) {
+    // Row of slot (src, t, k) to comb[t][k] on src; zeros for a slot dropped by overflow.
+    for (size_t task = 0; task < size_t(R) * T * K; ++task) {
+      const int row = slot_rows[task];
+      if (row == -1) continue;
+      const int src = int(task / (size_t(T) * K));
+      uint16_t* dst = reinterpret_cast<uint16_t*>(s.peers[src] + lay.combine) +
+                      (task % (size_t(T) * K)) * H;
+      if (row >= 0 && row < C) {
+        std::memcpy(dst, y + size_t(row) * H, size_t(H) * 2);
+      } else {
+        std::fill(dst, dst + H, uint16_t{0});
+      }
+    }
+  } else {
+    // One partial per (src, t) with a slot here: the f32 sum in k order of w * y[row],
+    // stored in partial dtype at part[this rank][t] on src.
+    std::vector<float> acc(H);
+    const size_t pbytes = partial_bytes(d);
+    for (int src = 0; src < R; ++src) {
+      for (int t = 0; t < T; ++t) {
+        const int32_t* rows = slot_rows + (size_t(src) * T + t) * K;
+        if (std::all_of(rows, rows + K, [](int32_t r) { return r == -1; })) continue;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int k = 0; k < K; ++k) {
+          const int row = rows[k];
+          if (row < 0 || row >= C) continue;  // dropped rows contribute nothing
+          const float w = row_weights[row];
+          const uint16_t* yr = y + size_t(row) * H;
+          for (int i = 0; i < H; ++i) acc[i] = acc[i] + w * bf16_to_f32(yr[i]);
+        }
+        char* dst = s.peers[src] + lay.combine + (size_t(me) * T + t) * H * pbytes;
+        if (d.partial_bf16) {
+          uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+          for (int i = 0; i < H; ++i) out[i] = f32_to_bf16(acc[i]);
+        } else {
+          std::memcpy(dst, acc.data(), size_t(H) * 4);
+        }
+      }
+    }
+  }
+  publish(s, lay.combine_flag, seq);
+  s.combine_seq = seq;
+}
+
+void combine_recv(HostRankState& s, const int32_t* send_dest, const float* topk_weights,
+                  uint16_t* out) {
+  const MoeDims& d = s.dims;
+  const BufferLayout lay = buffer_layout(d);
+  const int R = d.world, T = d.max_tokens, K = d.topk, H = d.hidden;
+  std::fill(out, out + size_t(T) * H, uint16_t{0});
+  const uint64_t seq = s.combine_seq;
+  if (!wait_all(s, lay.combine_flag, seq, kStageCombineRecv)) return;
+
+  std::vector<float> acc(H);
+  const char* comb = s.buffer + lay.combine;
+  for (int t = 0; t < T; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    uint64_t ranks = 0;
+    for (int k = 0; k < K; ++k) {
+      const int dest = send_dest[t * K + k];
+      if (dest < 0 || dest >= R) continue;
+      ranks |= 1ull << dest;
+      if (d.reduce_expert) continue;
+      // Source mode: every valid slot's row, in k order.
+      const float w = topk_weights[t * K + k];
+      const uint16_t* row = reinterpret_cast<const uint16_t*>(comb) + (size_t(t) * K + k) * H;
+      for (int i = 0; i < H; ++i) acc[i] = acc[i] + w * bf16_to_f32(row[i]);
+    }
+    if (d.reduce_expert) {
+      // Expert mode: the partial of every rank holding one of t's slots, in rank order.
+      for (int p = 0; p < R; ++p) {
+        if (!((ranks >> p) & 1)) continue;
+        const size_t part_row = size_t(p) * T + t;
+        if (d.partial_bf16) {
+          const uint16_t* part = reinterpret_cast<const uint16_t*>(comb) + part_row * H;
+          for (int i = 0; i < H; ++i) acc[i] = acc[i] + bf16_to_f32(part[i]);
+        } else {
+          const float* part = reinterpret_cast<const float*>(comb) + part_row * H;
+          for (int i = 0; i < H; ++i) acc[i] = acc[i] + part[i];
+        }
+      }
+    }
+    for (int i = 0; i < H; ++i) out[size_t(t) * H + i] = f32_to_bf16(acc[i]);
+  }
+  publish(s, lay.combine_ack, seq);
+}
+
+}  // namespace jax_moe::host

@@ -1,0 +1,58 @@
+// Per-rank state of the host backend: one rank of one communicator on one CPU device of this
+// process. Created and connected from Python (ffi/host/bindings.cc) outside jit; the FFI
+// handlers (ffi/host/handlers.cc) look it up by (comm id, device ordinal) from XLA's
+// per-device threads, which run concurrently. Ranks of one process share memory: each writes
+// straight into its peers' buffers (layout: cuda/layout.cuh, the CUDA backend's).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "cuda/layout.cuh"
+
+namespace jax_moe::host {
+
+struct HostRankState {
+  int64_t comm_id = 0;
+  int ordinal = 0;
+  MoeDims dims{};
+  std::unique_ptr<uint64_t[]> storage;  // the buffer, 8-byte aligned for its flags
+  char* buffer = nullptr;
+  std::vector<char*> peers;             // [R] every rank's buffer (this one included)
+  std::vector<int32_t> expert_counts;   // scratch [R][L]
+  std::vector<int32_t> slot_rank;       // scratch [R][T][K]
+  uint64_t dispatch_seq = 0;            // advanced by dispatch_send, used by dispatch_recv
+  uint64_t combine_seq = 0;
+  double timeout_s = 10.0;
+  bool connected = false;
+  // A wait gave up: the ranks' sequences disagree, so every later call records TIMEOUT
+  // (naming timeout_peer) and returns zeros. Handlers never fail at run time for it: JAX
+  // threads one token through the ordered calls (backends/ordered_ffi.py), and a failed call
+  // would fail every later host program of the process.
+  std::atomic<bool> timed_out{false};
+  int32_t timeout_peer = -1;
+
+  // The first error wins until take_error clears it (docs/semantics.md "Errors").
+  void record_error(int32_t code, int32_t stage, int32_t detail);
+  bool take_error(ErrorRecord* out);
+
+ private:
+  std::mutex error_mutex_;
+  bool has_error_ = false;
+  ErrorRecord error_{};
+};
+
+// The functions below throw std::invalid_argument (for the bindings).
+void create_host_rank(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s);
+// Points rank `ordinal` at every rank's buffer: rank p lives on local device ordinals[p].
+void connect_host_rank(int64_t comm_id, int ordinal, const std::vector<int>& ordinals);
+bool take_host_error(int64_t comm_id, int ordinal, ErrorRecord* out);
+void destroy_host_rank(int64_t comm_id, int ordinal);
+
+// For handlers: never throws; nullptr when no such state exists.
+HostRankState* find_host_rank(int64_t comm_id, int ordinal);
+
+}  // namespace jax_moe::host

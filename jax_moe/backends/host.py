@@ -1,0 +1,100 @@
+"""The `host` backend: dispatch/combine as XLA FFI custom calls on CPU devices.
+
+The same FFI targets, arguments, buffer layout and protocol as the `cuda` backend
+(ffi/host/ runs cuda/dispatch.cu's and cuda/combine.cu's steps as plain C++ loops), so
+everything above the FFI call is the cuda backend's, except that every call is ordered
+(backends/ordered_ffi.py). XLA runs each CPU device's program on its own thread; ranks of one
+process share memory and write straight into each other's buffers, signalling with sequence
+flags; every wait has a timeout (JAX_MOE_TIMEOUT_S, default 10 s).
+
+Single process only for now: ranks in other processes would go through the TransferEngine
+(jax_moe.transport), which this backend does not drive yet, so such meshes are refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import numpy as np
+
+from jax_moe import native
+from jax_moe.backends.cuda import CudaBackend
+from jax_moe.backends.cuda_ranks import rank_groups
+
+_comm_ids = itertools.count(1)
+
+
+@functools.cache
+def _ordered_ffi():
+  """backends/ordered_ffi.py, or None where this jax lacks the internals it uses."""
+  try:
+    from jax_moe.backends import ordered_ffi
+  except (ImportError, AttributeError):
+    return None
+  return ordered_ffi
+
+
+def has_host() -> bool:
+  """True when the native module (which always carries the host handlers) is loaded and this
+  jax can order FFI calls (backends/ordered_ffi.py uses JAX internals)."""
+  module = native.load()
+  return module is not None and hasattr(module, "host_create_rank") and _ordered_ffi() is not None
+
+
+class HostRanks:
+  """The rank states of one host communicator, all on this process's CPU devices.
+
+  CPU device ids are this process's device ordinals (what DeviceOrdinal gives the handlers).
+  """
+
+  def __init__(self, mesh, axis: str, create):
+    owner = "Communicator(backend='host')"
+    if not has_host():
+      raise ValueError(f"{owner}: needs jax_moe._native (build_info: {native.build_info()}) "
+                       "and a jax whose internals backends/ordered_ffi.py knows")
+    groups = rank_groups(mesh, axis)
+    if any(d.process_index != jax.process_index() for d in groups.flat):
+      raise ValueError(f"{owner}: the mesh spans processes; the host backend's cross-process "
+                       "path (TransferEngine) is not implemented yet; use backend='xla'")
+    native.register_targets()
+    self._native = native.load()
+    self.comm_id = next(_comm_ids)
+    self.ordinals: list[int] = []
+    try:
+      for group in groups:
+        for rank, device in enumerate(group):
+          create(self.comm_id, device.id, rank)
+          self.ordinals.append(device.id)
+      for group in groups:
+        ordinals = [d.id for d in group]
+        for ordinal in ordinals:
+          self._native.host_connect_rank(self.comm_id, ordinal, ordinals)
+    except BaseException:
+      self.close()
+      raise
+
+  def check(self):
+    """The first recorded error of the ranks as (code, stage, rank, detail), cleared."""
+    errors = [self._native.host_take_error(self.comm_id, o) for o in self.ordinals]
+    errors = [e for e in errors if e is not None]
+    return min(errors, key=lambda e: e[2]) if errors else None
+
+  def close(self) -> None:
+    while self.ordinals:
+      self._native.host_destroy_rank(self.comm_id, self.ordinals.pop())
+
+
+class HostBackend(CudaBackend):
+  name = "host"
+
+  def _make_ranks(self, mesh, axis: str):
+    return HostRanks(mesh, axis, self._create_rank)
+
+  def _create_rank(self, comm_id: int, ordinal: int, rank: int) -> None:
+    native.load().host_create_rank(comm_id=comm_id, ordinal=ordinal, **self._rank_sizes(rank))
+
+  def _call(self, target: str, result_types, *args):
+    return _ordered_ffi().ordered_ffi_call(target, result_types, *args,
+                                           comm_id=np.int64(self.comm_id))

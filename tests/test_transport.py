@@ -1,0 +1,284 @@
+"""TransferEngine (ffi/transport/) between processes on loopback, over shm and tcp;ofi_rxm.
+
+Workers (tests/transport_worker.py) run in spawned processes; their results are compared with
+a numpy reference built from the same random plan. Every wait is bounded: workers use short
+engine timeouts and the parent gives up on a silent worker after PIPE_TIMEOUT_S.
+"""
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import transport_worker as worker
+import jax_moe as jm
+from jax_moe import transport
+
+pytestmark = pytest.mark.skipif(
+    not transport.available(),
+    reason="jax_moe._native was built without libfabric (pkg-config found no libfabric)")
+
+PROVIDERS = {"shm": None, "tcp;ofi_rxm": "127.0.0.1"}  # provider -> source node
+PIPE_TIMEOUT_S = 40.0
+
+
+class Job:
+    """`world` spawned workers running one scenario; the parent relays the address cards."""
+
+    def __init__(self, scenario, world, provider, shuffle_seed=0, seed=0, rounds=1, timeout_s=5.0):
+        ctx = mp.get_context("spawn")
+        self.pipes, self.procs = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker.main, daemon=True,
+                args=(scenario, rank, world, child, provider, PROVIDERS[provider], shuffle_seed,
+                      seed, rounds, timeout_s))
+            proc.start()
+            self.pipes.append(parent)
+            self.procs.append(proc)
+        self.cards = [self.recv(rank) for rank in range(world)]
+        for pipe in self.pipes:
+            pipe.send(self.cards)
+
+    def recv(self, rank):
+        if not self.pipes[rank].poll(PIPE_TIMEOUT_S):
+            pytest.fail(f"worker {rank} sent nothing within {PIPE_TIMEOUT_S} s")
+        message = self.pipes[rank].recv()
+        if isinstance(message, tuple) and message and message[0] == "worker error":
+            pytest.fail(message[1])
+        return message
+
+    def close(self, killed=()):
+        """Joins every worker; all must exit 0 but the ranks in `killed` (SIGKILL)."""
+        for proc in self.procs:
+            proc.join(timeout=10)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        expected = [-signal.SIGKILL if rank in killed else 0 for rank in range(len(self.procs))]
+        assert [proc.exitcode for proc in self.procs] == expected
+
+
+def run_job(scenario, world, provider, **kwargs):
+    job = Job(scenario, world, provider, **kwargs)
+    try:
+        results = [job.recv(rank) for rank in range(world)]
+    finally:
+        job.close()
+    return results
+
+
+def check_scatter(snapshots_by_rank, seed, world, rounds):
+    for rank, snapshots in enumerate(snapshots_by_rank):
+        assert len(snapshots) == rounds
+        for r, got in enumerate(snapshots):
+            expected = worker.expected_destination(seed, r, rank, world)
+            np.testing.assert_array_equal(got, expected, err_msg=f"rank {rank}, round {r}")
+
+
+@pytest.mark.parametrize("provider,world", [("shm", 2), ("shm", 4), ("tcp;ofi_rxm", 2),
+                                            ("tcp;ofi_rxm", 4)])
+def test_scatter_matches_numpy(provider, world):
+    seed = int.from_bytes(os.urandom(4), "little")
+    results = run_job("scatter", world, provider, seed=seed, rounds=4)
+    check_scatter(results, seed, world, rounds=4)
+
+
+@pytest.mark.parametrize("provider", list(PROVIDERS))
+def test_shuffled_completions_give_the_same_result(provider):
+    seed = int.from_bytes(os.urandom(4), "little")
+    plain = run_job("scatter", 3, provider, seed=seed, rounds=3)
+    shuffled = run_job("scatter", 3, provider, seed=seed, rounds=3, shuffle_seed=seed | 1)
+    check_scatter(shuffled, seed, 3, rounds=3)
+    for a, b in zip(plain, shuffled):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("provider", list(PROVIDERS))
+def test_counters_complete_at_the_expected_count(provider):
+    world = 3
+    results = run_job("counters", world, provider, shuffle_seed=99)
+    for rank, (left, received) in enumerate(results):
+        assert left == [0] * world, f"rank {rank}: unconsumed immediates {left}"
+        # Every source s wrote bytes [8*rank, +8) of its arange into this rank's slot s.
+        expected = np.concatenate([np.arange(8 * rank, 8 * rank + 8, dtype=np.uint8)] * world)
+        np.testing.assert_array_equal(received, expected, err_msg=f"rank {rank}")
+
+
+@pytest.mark.parametrize("scenario", ["stall", "killed"])
+@pytest.mark.parametrize("provider", list(PROVIDERS))
+def test_missing_peer_times_out_naming_it(provider, scenario):
+    # The last rank either stays alive but never sends ("stall") or is SIGKILLed ("killed");
+    # every survivor's barrier must fail within the timeout (+5 s), naming it.
+    world, timeout_s = 3, 1.0
+    missing = world - 1
+    job = Job(scenario, world, provider, timeout_s=timeout_s)
+    try:
+        reports = [job.recv(rank) for rank in range(missing)]
+        if scenario == "stall":
+            job.pipes[missing].send("release")
+    finally:
+        job.close(killed=(missing,) if scenario == "killed" else ())
+    for rank, (message, elapsed) in enumerate(reports):
+        assert message.startswith(f"TransportError: rank {rank}, barrier:"), message
+        assert f"rank {missing} sent 0 of 1" in message, message
+        assert elapsed < timeout_s + 5, f"rank {rank} took {elapsed:.1f} s"
+
+
+def test_shm_without_cross_memory_attach(monkeypatch):
+    # Where ptrace is restricted, process_vm_readv fails and shm must work without CMA.
+    monkeypatch.setenv("FI_SHM_DISABLE_CMA", "1")
+    seed = int.from_bytes(os.urandom(4), "little")
+    results = run_job("scatter", 2, "shm", seed=seed, rounds=2)
+    check_scatter(results, seed, 2, rounds=2)
+
+
+@pytest.mark.parametrize("provider", list(PROVIDERS))
+def test_wrong_key_is_a_clear_error(provider):
+    job = Job("bad_key", 2, provider, timeout_s=3.0)
+    try:
+        job.pipes[0].send(job.cards[1][1])
+        message, elapsed = job.recv(0)
+        job.pipes[1].send("release")
+        receiver_report, receiver_sum = job.recv(1)
+    finally:
+        job.close()
+    assert "TransportError" in message and "rank 1 sent 0 of 1" in message, message
+    assert elapsed < 3.0 + 5, f"took {elapsed:.1f} s"
+    assert receiver_sum == 0, "a write with a wrong key changed the receiver's memory"
+    assert receiver_report == "no error", receiver_report
+
+
+# ---- one process ------------------------------------------------------------------------------
+
+
+def engine(rank=0, provider="shm", **kwargs):
+    return transport.TransferEngine(rank, provider=provider, node=PROVIDERS[provider],
+                                    timeout_s=2.0, **kwargs)
+
+
+def thread_count():
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("provider", list(PROVIDERS))
+def test_close_leaves_no_threads_or_registrations(provider):
+    before = thread_count()
+    e = engine(provider=provider)
+    assert thread_count() > before  # the progress thread
+    regions = [e.register(np.zeros(n, np.uint8)) for n in (1, 100, 4096)]
+    assert e.open_regions() == 1 + len(regions)  # plus the signal region
+    e.deregister(regions[0])
+    assert e.open_regions() == len(regions)
+    e.close()
+    assert e.open_regions() == 0
+    assert thread_count() == before
+    e.close()  # idempotent
+    with pytest.raises(transport.TransportError, match="closed"):
+        e.register(np.zeros(8, np.uint8))
+
+
+def test_self_scatter_and_barrier_in_one_engine():
+    with engine() as e:
+        e.add_peer(e.address)
+        dest = e.register(np.zeros(64, np.uint8))
+        src = e.register(np.arange(64, dtype=np.uint8))
+        group = e.create_group([(0, dest.descriptor)])
+        e.scatter(group, src, [10], [20], [30], tag=4)
+        e.wait(4, {0: 1})
+        e.flush()
+        expected = np.zeros(64, np.uint8)
+        expected[30:50] = np.arange(10, 30)
+        np.testing.assert_array_equal(dest.array, expected)
+        e.barrier(group, tag=5)
+        assert e.arrived(4, 0) == 0 and e.arrived(5, 0) == 0
+
+
+def test_bad_addresses_and_descriptors_are_clear_errors():
+    with engine() as e:
+        dest = e.register(np.zeros(64, np.uint8))
+        with pytest.raises(transport.TransportError, match="is not an engine address"):
+            e.add_peer(b"garbage")
+        with pytest.raises(transport.TransportError, match="is not an engine address"):
+            e.add_peer(dest.descriptor)
+        with pytest.raises(transport.TransportError, match="truncated"):
+            e.add_peer(e.address[:-3])
+        with pytest.raises(transport.TransportError, match="trailing"):
+            e.add_peer(e.address + b"x")
+        with pytest.raises(transport.TransportError, match="never added with add_peer"):
+            e.create_group([(7, dest.descriptor)])
+        e.add_peer(e.address)
+        with pytest.raises(transport.TransportError, match="is not a region descriptor"):
+            e.create_group([(0, e.address)])
+        with engine(rank=1, provider="tcp;ofi_rxm") as other:
+            with pytest.raises(transport.TransportError, match="provider 'tcp;ofi_rxm'.*uses 'shm'"):
+                e.add_peer(other.address)
+
+
+def test_altered_misattributed_or_stale_descriptors_are_rejected():
+    with engine() as e, engine(rank=1) as peer:
+        e.add_peer(peer.address)
+        descriptor = peer.register(np.zeros(64, np.uint8)).descriptor
+        corrupted = bytearray(descriptor)
+        corrupted[14] ^= 1  # one bit of the key
+        with pytest.raises(transport.TransportError, match="fails its checksum"):
+            e.create_group([(1, bytes(corrupted))])
+        e.add_peer(e.address)
+        with pytest.raises(transport.TransportError, match="member 0 .rank 0. belongs to rank 1"):
+            e.create_group([(0, descriptor)])
+        with engine(rank=1) as restarted:
+            e.add_peer(restarted.address)
+            with pytest.raises(transport.TransportError, match="is stale"):
+                e.create_group([(1, descriptor)])
+
+
+def test_scatter_arguments_are_checked():
+    with engine() as e:
+        e.add_peer(e.address)
+        dest = e.register(np.zeros(64, np.uint8))
+        src = e.register(np.zeros(32, np.uint8))
+        group = e.create_group([(0, dest.descriptor)])
+        with pytest.raises(transport.TransportError, match="2 slices for a group of 1"):
+            e.scatter(group, src, [0, 0], [1, 1], [0, 0], tag=1)
+        with pytest.raises(transport.TransportError, match="slice 0 reads .* past the source"):
+            e.scatter(group, src, [16], [17], [0], tag=1)
+        with pytest.raises(transport.TransportError, match="past rank 0's destination region of 64"):
+            e.scatter(group, src, [0], [16], [50], tag=1)
+        with pytest.raises(transport.TransportError, match="tag 1048576 exceeds"):
+            e.scatter(group, src, [0], [1], [0], tag=1 << 20)
+        with pytest.raises(transport.TransportError, match="no peer group 3"):
+            e.barrier(transport.PeerGroup(3, (0,)), tag=1)
+        with pytest.raises(ValueError, match="rank must be in"):
+            engine(rank=4096)
+        with pytest.raises(ValueError, match="C-contiguous"):
+            e.register(np.zeros((8, 8), np.uint8)[:, ::2])
+        if not jm.build_info()["cuda"]:
+            with pytest.raises(transport.TransportError, match="cuda_memory needs a build with CUDA"):
+                engine(cuda_memory=True)
+        with pytest.raises(transport.TransportError, match="no provider-x"):
+            transport.TransferEngine(0, provider="no provider-x", timeout_s=1.0)
+
+
+def test_closed_peer_is_an_error_not_a_hang():
+    with engine(provider="tcp;ofi_rxm") as e:
+        gone = engine(rank=1, provider="tcp;ofi_rxm")
+        gone_dest = gone.register(np.zeros(64, np.uint8))
+        address, descriptor = gone.address, gone_dest.descriptor
+        gone.close()
+        e.add_peer(address)
+        group = e.create_group([(1, descriptor)])
+        src = e.register(np.ones(64, np.uint8))
+        start = time.monotonic()
+        # tcp;ofi_rxm cannot connect, so the write is never accepted; any provider must
+        # end in a TransportError that names the peer.
+        with pytest.raises(transport.TransportError, match="rank 1"):
+            e.scatter(group, src, [0], [64], [0], tag=2)
+            e.flush(timeout_s=1.0)
+            e.wait(2, {1: 1}, timeout_s=1.0)
+        assert time.monotonic() - start < 1.0 + 5
