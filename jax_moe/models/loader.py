@@ -5,6 +5,11 @@ model.safetensors.index.json) and reads only the slice asked for, so each device
 sharded weight is read from disk without a full host copy (`jax.make_array_from_callback`).
 bf16 and fp8 tensors are viewed with ml_dtypes; fp8 weights that come with a
 `weight_scale_inv` are dequantized by `fp8_weights.dequantize_block_fp8` (DeepSeek).
+
+Why not `safetensors.safe_open`: its numpy reader cannot return F8_E4M3 tensors (safetensors
+0.8: "module 'numpy' has no attribute 'float8_e4m3fn'"), which DeepSeek checkpoints are made
+of, and its flax reader puts every slice on the default device first. The format is an 8-byte
+length, a JSON header and raw little-endian data, so a memory map reads it directly.
 """
 
 from __future__ import annotations
