@@ -46,6 +46,8 @@ def test_bench_decode_checks_backends_and_writes_results(tmp_path):
   payload = json.loads((tmp_path / "decode_cpu-x8.json").read_text())
   assert (tmp_path / "decode_cpu-x8.png").stat().st_size > 0
   assert payload["parity"]["tiny-qwen3-moe"]["ok"]
-  [result] = payload["results"]
-  assert result["status"] == "ok" and result["backend"] == "xla"
-  assert result["time"]["median_us"] > 0 and result["decode_tokens_per_s"] > 0
+  results = payload["results"]  # one per available backend: xla, and host when built
+  assert "xla" in {result["backend"] for result in results}
+  for result in results:
+    assert result["status"] == "ok", result
+    assert result["time"]["median_us"] > 0 and result["decode_tokens_per_s"] > 0
