@@ -103,7 +103,7 @@ def check_backends(name, mesh, backends, args, batch) -> dict:
   for dtype, wire, key in ((jnp.float32, "exact", "f32_exact"), (jnp.bfloat16, args.wire, "bf16")):
     logits = {}
     # f32 twins at full matmul precision: at the default, XLA:GPU may pick TF32 for the dense
-    # layers in one program and not in the other, which differs by ~1e-4 (seen on 2xH200).
+    # layers in one program and not in the other (suspected cause of a 3e-4 gap on 2xH200).
     precision = "highest" if dtype == jnp.float32 else "default"
     for backend in backends:
       model = _build(name, mesh, backend, dtype, wire, args.seed)
