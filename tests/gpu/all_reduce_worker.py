@@ -15,10 +15,7 @@ the same job where AllReduce falls back to psum (no GPU needed; checks this scri
 """
 
 import argparse
-import json
 import sys
-import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # all_reduce_checks, checks
@@ -55,7 +52,7 @@ import jax_moe as jm  # noqa: E402
 from all_reduce_checks import (DTYPES, all_reduce_reference, assert_all_reduce_exact,  # noqa: E402
                                assert_close_to_psum, random_inputs)
 from jax_moe.sharding import shard_map  # noqa: E402
-from mp_worker import Barrier, initialize_distributed  # noqa: E402
+from mp_worker import Barrier, run_worker  # noqa: E402
 
 AXIS = "ep"
 
@@ -137,25 +134,5 @@ def run_job(args):
     return errors
 
 
-def main(args):
-    started = time.monotonic()
-    errors = []
-    try:
-        initialize_distributed(args)
-        errors = run_job(args)
-    except Exception as e:  # noqa: BLE001 - reported in the result file; the peers time out
-        errors.append(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-    result = {"ok": not errors, "errors": errors, "process_id": args.process_id,
-              "num_processes": args.num_processes, "seconds": round(time.monotonic() - started, 1)}
-    args.out.write_text(json.dumps(result, indent=1))
-    for error in errors:
-        print(error, file=sys.stderr)
-    print(f"[process {args.process_id}] {'ok' if not errors else 'FAILED'}", file=sys.stderr,
-          flush=True)
-    if not errors:
-        jax.distributed.shutdown()
-    return 0 if not errors else 1
-
-
 if __name__ == "__main__":
-    sys.exit(main(ARGS))
+    sys.exit(run_worker(ARGS, run_job))

@@ -258,12 +258,13 @@ def initialize_distributed(args):
                                **{k: v for k, v in options.items() if k in accepted})
 
 
-def main(args):
+def run_worker(args, job):
+    """Joins the job, runs `job(args)` (a list of error texts) and writes the result file."""
     started = time.monotonic()
     errors = []
     try:
         initialize_distributed(args)
-        errors = run_job(args)
+        errors = job(args)
     except Exception as e:  # noqa: BLE001 - reported in the result file; the peers time out
         errors.append(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     result = {"ok": not errors, "errors": errors, "process_id": args.process_id,
@@ -279,4 +280,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    sys.exit(main(ARGS))
+    sys.exit(run_worker(ARGS, run_job))
