@@ -87,8 +87,7 @@ ffi::Error DispatchRecvImpl(int32_t ordinal, int64_t comm_id, ffi::Token, ffi::R
 }
 
 ffi::Error DispatchImpl(int32_t ordinal, int64_t comm_id, ffi::Token, ffi::Result<ffi::Token>,
-                            ffi::AnyBuffer x,
-                        ffi::AnyBuffer x_scales, ffi::Buffer<ffi::S32> topk_ids,
+                        ffi::AnyBuffer x, ffi::AnyBuffer x_scales, ffi::Buffer<ffi::S32> topk_ids,
                         ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> num_tokens,
                         ffi::Result<ffi::Buffer<ffi::S32>> send_dest,
                         ffi::Result<ffi::AnyBuffer> x_out,
