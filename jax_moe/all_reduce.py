@@ -158,6 +158,15 @@ class AllReduce:
     if np.dtype(x.dtype) not in DTYPES:
       raise TypeError(f"AllReduce: x must have dtype float32, bfloat16 or float16, got "
                       f"{np.dtype(x.dtype).name}")
+    # psum names an unbound axis itself; the custom call would run on any array, so check.
+    try:
+      axis_size = jax.lax.axis_size(self.axis)
+    except NameError:
+      axis_size = None
+    if axis_size != self.axis_size:
+      raise ValueError(f"AllReduce: call it inside jax.shard_map over axis {self.axis!r} of "
+                       f"size {self.axis_size} (the mesh it was built with); that axis is "
+                       f"{'not bound here' if axis_size is None else f'of size {axis_size}'}")
     self.check()
     algorithm = self.algorithm_for(int(x.size) * np.dtype(x.dtype).itemsize)
     if algorithm == "psum":

@@ -257,7 +257,7 @@ def _parser() -> argparse.ArgumentParser:
   generate.add_argument("--model", default="tiny-qwen3-moe",
                         help="a Hugging Face model directory (config.json + safetensors), or "
                              "tiny-qwen3-moe / tiny-deepseek-v3 (embedded config, random weights)")
-  generate.add_argument("--backend", default="auto", help="MoE exchange: auto, xla or cuda")
+  generate.add_argument("--backend", default="auto", help="MoE exchange: auto, xla, cuda or host")
   generate.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
   generate.add_argument("--wire", choices=("bf16", "fp8", "exact"), default=None,
                         help="how MoE tokens travel (default: exact for f32, bf16 otherwise)")

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jax_moe import native
+from jax_moe.backends.cuda_ranks import MAX_TIMEOUT_S
 from jax_moe.backends.cuda_ranks import timeout_s as default_timeout_s
 
 
@@ -76,9 +77,7 @@ class TransferEngine:
     if provider is None:
       provider = os.environ.get("FI_PROVIDER", "")
     self.rank = rank
-    self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
-    if not self.timeout_s > 0:
-      raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    self.timeout_s = default_timeout_s() if timeout_s is None else _checked_timeout(timeout_s)
     self._engine = module.TransferEngine(rank, provider, node or "", self.timeout_s,
                                          int(shuffle_seed), bool(cuda_memory))
     self.address: bytes = self._engine.address()
@@ -153,4 +152,12 @@ class TransferEngine:
     self.close()
 
   def _bound(self, timeout_s: float | None) -> float:
-    return self.timeout_s if timeout_s is None else float(timeout_s)
+    return self.timeout_s if timeout_s is None else _checked_timeout(timeout_s)
+
+
+def _checked_timeout(timeout_s) -> float:
+  value = float(timeout_s)
+  if not 0 < value <= MAX_TIMEOUT_S:  # also refuses nan and inf
+    raise ValueError(f"timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S}], "
+                     f"got {timeout_s}")
+  return value

@@ -110,6 +110,17 @@ def test_bad_dtype_is_refused_at_trace_time(dtype):
         program.lower(jax.ShapeDtypeStruct((4,), dtype))
 
 
+def test_call_outside_shard_map_or_over_another_axis_is_refused():
+    mesh = cpu_mesh((2, 2), ("ep", "tp"))
+    ar = jm.AllReduce(mesh, "ep")
+    with pytest.raises(ValueError, match="inside jax.shard_map over axis 'ep'.*not bound here"):
+        ar(jnp.ones(4))
+    other = jm.AllReduce(cpu_mesh((4,), ("ep",)), "ep")  # axis "ep" of size 4, bound here as 2
+    program = jax.jit(shard_map(lambda x: other(x), mesh, in_specs=P("ep"), out_specs=P("ep")))
+    with pytest.raises(ValueError, match="of size 4.*of size 2"):
+        program.lower(jax.ShapeDtypeStruct((4,), jnp.float32))
+
+
 def test_non_array_is_refused():
     ar = jm.AllReduce(cpu_mesh((2,), ("ep",)), "ep")
     with pytest.raises(TypeError, match="x must be an array"):

@@ -21,6 +21,8 @@ from jax_moe import native
 
 _comm_ids = itertools.count(1)
 _KV_TIMEOUT_MS = 120_000
+# Kernels wait in nanoseconds held in 64 bits; a day keeps every conversion far from overflow.
+MAX_TIMEOUT_S = 86_400.0
 
 
 def timeout_s() -> float:
@@ -30,9 +32,26 @@ def timeout_s() -> float:
     value = float(text)
   except ValueError:
     value = -1.0
-  if not value > 0:
-    raise ValueError(f"JAX_MOE_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+  if not 0 < value <= MAX_TIMEOUT_S:  # also refuses nan and inf
+    raise ValueError(f"JAX_MOE_TIMEOUT_S must be a number of seconds in (0, {MAX_TIMEOUT_S}], "
+                     f"got {text!r}")
   return value
+
+
+def distributed_client(owner: str):
+  """The jax.distributed key-value client; ranks in other processes exchange handles through it.
+
+  jax has no public accessor for it, so this reaches into jax._src and says so when that moves.
+  """
+  try:
+    from jax._src import distributed
+    client = distributed.global_state.client
+  except (ImportError, AttributeError) as e:
+    raise ValueError(f"{owner}: cannot reach jax.distributed's key-value store in jax "
+                     f"{jax.__version__} ({e}); ranks spanning processes need it") from e
+  if client is None:
+    raise ValueError(f"{owner}: ranks span processes; call jax.distributed.initialize() first")
+  return client
 
 
 def rank_groups(mesh, axis: str) -> np.ndarray:
@@ -85,11 +104,7 @@ class CudaRanks:
     """IPC handles of the ranks in other processes (b"" for ranks of this process)."""
     if all(o >= 0 for o in local):
       return [b""] * len(local)
-    from jax._src import distributed
-    client = distributed.global_state.client
-    if client is None:
-      raise ValueError(f"{self._owner}: ranks span processes; call "
-                       "jax.distributed.initialize() first")
+    client = distributed_client(self._owner)
     key = lambda rank: f"jax_moe/cuda/{self.comm_id}/{index}/{rank}"  # noqa: E731
     for rank, ordinal in enumerate(local):
       if ordinal >= 0:

@@ -91,6 +91,10 @@ class Generator:
     """Prompt [B, S] -> tokens [B, S + max_new_tokens] (prompt included); `key` is needed
     when sampling (temperature > 0)."""
     _check_key(self.temperature, key)
+    if tuple(jnp.shape(input_ids_bs)) != (self.batch, self.prompt_len):
+      raise ValueError(f"Generator: input_ids must have shape ({self.batch}, {self.prompt_len}) "
+                       f"(the batch and prompt length it was built for), got "
+                       f"{tuple(jnp.shape(input_ids_bs))}")
     key = jax.random.key(0) if key is None else key  # greedy: the key is not used
     keys = jax.random.split(key, self.max_new_tokens)
     token_b, cache = self.prefill(self.state, input_ids_bs, keys[0])
@@ -98,9 +102,12 @@ class Generator:
     for i in range(1, self.max_new_tokens):
       token_b, cache = self.step(self.state, token_b, cache, keys[i])
       tokens.append(token_b)
+    out = jnp.concatenate([jnp.asarray(input_ids_bs, jnp.int32), jnp.stack(tokens, axis=1)],
+                          axis=1)
+    # Calls run asynchronously: an error they record is visible only once they have finished.
+    jax.block_until_ready(out)
     self.model.pool.check()
-    return jnp.concatenate([jnp.asarray(input_ids_bs, jnp.int32), jnp.stack(tokens, axis=1)],
-                           axis=1)
+    return out
 
 
 def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,

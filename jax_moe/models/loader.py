@@ -2,7 +2,8 @@
 
 `CheckpointReader` memory-maps every shard (model.safetensors or the shards named by
 model.safetensors.index.json) and reads only the slice asked for, so each device's part of a
-sharded weight is read from disk without a full host copy (`jax.make_array_from_callback`).
+sharded weight is read from disk without a full host copy (`jax.make_array_from_callback`);
+an fp8 weight with block scales is dequantized whole (f32) before its slice is taken.
 bf16 and fp8 tensors are viewed with ml_dtypes; fp8 weights that come with a
 `weight_scale_inv` are dequantized by `fp8_weights.dequantize_block_fp8` (DeepSeek).
 
@@ -25,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jax_moe.models.checkpoint import CheckpointError
+from jax_moe.models import fp8_weights
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -32,7 +34,6 @@ _DTYPES = {
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
     "BOOL": np.bool_,
 }
-SCALE_SUFFIX = "_scale_inv"
 
 
 def load_config(path: str) -> dict:
@@ -77,9 +78,6 @@ class CheckpointReader:
         self._entries[name] = (data, np.dtype(_DTYPES[entry["dtype"]]), tuple(entry["shape"]),
                                tuple(entry["data_offsets"]))
 
-  def names(self) -> list[str]:
-    return sorted(self._entries)
-
   def has(self, name: str) -> bool:
     return name in self._entries
 
@@ -95,9 +93,8 @@ class CheckpointReader:
   def read(self, name: str, index=None) -> np.ndarray:
     """The slice `index` (a tuple of slices, default all) of tensor `name`, as a numpy copy."""
     index = tuple(index) if index is not None else (slice(None),) * len(self.shape(name))
-    scale_name = name + SCALE_SUFFIX
+    scale_name = name + fp8_weights.SCALE_SUFFIX
     if self.has(scale_name):
-      from jax_moe.models import fp8_weights
       block = fp8_weights.block_size_from_config(self.config) or fp8_weights.DEFAULT_BLOCK
       full = fp8_weights.dequantize_block_fp8(self._array(name), self._array(scale_name), block)
       return np.ascontiguousarray(full[index])

@@ -52,6 +52,13 @@ def test_sampling_is_reproducible_and_in_vocab(ep_mesh):
   assert a.shape == (8, 6) and a.min() >= 0 and a.max() < model.vocab_size
 
 
+def test_generator_refuses_a_prompt_of_another_shape(ep_mesh):
+  generator = models.Generator(models.tiny("tiny-qwen3-moe", mesh=ep_mesh), batch=8,
+                               prompt_len=3, max_new_tokens=2)
+  with pytest.raises(ValueError, match=r"input_ids must have shape \(8, 3\).*got \(8, 4\)"):
+    generator(jnp.zeros((8, 4), jnp.int32))
+
+
 def test_top_p_keeps_the_nucleus():
   logits = jnp.log(jnp.array([[0.5, 0.05, 0.3, 0.15]], jnp.float32))
   keys = jax.random.split(jax.random.key(0), 2000)
