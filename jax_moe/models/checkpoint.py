@@ -106,3 +106,22 @@ class StackedExperts:
       return np.swapaxes(w_eoi, 1, 2)
     return np.stack([reader.read(self.per_expert.format(e=e), (slice(o0, o1), slice(i0, i1))).T
                      for e in range(e0, e1)])
+
+
+def dense_mlp_sources(path: tuple, prefix: str) -> dict:
+  """The SwiGLU MLP under `path` from `{prefix}.{gate,up,down}_proj.weight`."""
+  return {(*path, param_name): linear(f"{prefix}.{proj}")
+          for param_name, proj in (("w_gate_df", "gate_proj"), ("w_up_df", "up_proj"),
+                                   ("w_down_fd", "down_proj"))}
+
+
+def routed_expert_sources(path: tuple, prefix: str, num_experts: int) -> dict:
+  """Per-expert keys (`experts.{e}.gate_proj.weight`, what checkpoints hold) or the fused
+  [E, 2F, D] / [E, D, F] tensors that transformers >= 5 writes with save_original_format=False."""
+  parts = (("w_gate_edf", "gate_proj", "gate_up_proj", 0, 2),
+           ("w_up_edf", "up_proj", "gate_up_proj", 1, 2),
+           ("w_down_efd", "down_proj", "down_proj", 0, 1))
+  return {(*path, param_name): StackedExperts(f"{prefix}.{{e}}.{proj}.weight", num_experts,
+                                              fused=f"{prefix}.{fused}", fused_part=part,
+                                              fused_parts=count)
+          for param_name, proj, fused, part, count in parts}

@@ -18,7 +18,8 @@ from flax import nnx
 
 from jax_moe.models import layers
 from jax_moe.models.base import Cache, CausalLM
-from jax_moe.models.checkpoint import CheckpointError, StackedExperts, Tensor
+from jax_moe.models.checkpoint import (CheckpointError, Tensor, dense_mlp_sources, linear,
+                                       routed_expert_sources)
 from jax_moe.models.mla import MLAConfig, MultiHeadLatentAttention, init_mla_cache
 from jax_moe.models.moe import RoutedExperts
 from jax_moe.models.sharding import ShardingRules, param
@@ -186,14 +187,10 @@ class DeepseekV3ForCausalLM(CausalLM):
                dtype=jnp.bfloat16, wire: str | None = None):
     super().__init__(rules, backend, dtype)
     cfg = self.cfg = DeepseekV3Config.from_hf(config)
-    kw = dict(rules=rules, dtype=self.dtype)
-    self.embed_tokens = layers.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
-    self.layers = nnx.List([DecoderLayer(cfg, i, pool=self.pool, wire=wire, **kw)
-                            for i in range(cfg.num_hidden_layers)])
-    self.norm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-    self.lm_head = (None if cfg.tie_word_embeddings else
-                    layers.Linear(cfg.hidden_size, cfg.vocab_size, logical_axes=("embed", "vocab"),
-                                  **kw))
+    self.init_trunk(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, cfg.tie_word_embeddings,
+                    cfg.num_hidden_layers,
+                    lambda i: DecoderLayer(cfg, i, rules=rules, pool=self.pool, dtype=self.dtype,
+                                           wire=wire))
 
   @property
   def vocab_size(self) -> int:
@@ -223,11 +220,7 @@ class DeepseekV3ForCausalLM(CausalLM):
 
   def checkpoint_map(self) -> dict:
     cfg = self.cfg
-    linear = lambda name: Tensor(name + ".weight", transpose=True)
-    sources = {("embed_tokens", "table_vd"): Tensor("model.embed_tokens.weight"),
-               ("norm", "weight"): Tensor("model.norm.weight")}
-    if self.lm_head is not None:
-      sources[("lm_head", "w")] = linear("lm_head")
+    sources = self.trunk_checkpoint_map()
     for i, layer in enumerate(self.layers):
       p = f"model.layers.{i}"
       at = lambda *names: ("layers", i, *names)
@@ -238,13 +231,13 @@ class DeepseekV3ForCausalLM(CausalLM):
         sources[at("mlp", "gate", "w_de")] = linear(f"{p}.mlp.gate")
         sources[at("mlp", "gate", "e_score_correction_bias")] = Tensor(
             f"{p}.mlp.gate.e_score_correction_bias")
-        sources.update(_routed_expert_sources(at("mlp", "experts"), f"{p}.mlp.experts",
+        sources.update(routed_expert_sources(at("mlp", "experts"), f"{p}.mlp.experts",
                                               cfg.routing.num_experts))
         if layer.mlp.shared_experts is not None:
-          sources.update(_dense_mlp_sources(at("mlp", "shared_experts"),
+          sources.update(dense_mlp_sources(at("mlp", "shared_experts"),
                                             f"{p}.mlp.shared_experts"))
       else:
-        sources.update(_dense_mlp_sources(at("mlp"), f"{p}.mlp"))
+        sources.update(dense_mlp_sources(at("mlp"), f"{p}.mlp"))
     return sources
 
 
@@ -259,21 +252,3 @@ def _attention_sources(attn: MultiHeadLatentAttention, path: tuple, prefix: str)
     elif isinstance(module, layers.RMSNorm):
       sources[(*path, name, "weight")] = Tensor(f"{prefix}.{name}.weight")
   return sources
-
-
-def _dense_mlp_sources(path: tuple, prefix: str) -> dict:
-  return {(*path, param_name): Tensor(f"{prefix}.{proj}.weight", transpose=True)
-          for param_name, proj in (("w_gate_df", "gate_proj"), ("w_up_df", "up_proj"),
-                                   ("w_down_fd", "down_proj"))}
-
-
-def _routed_expert_sources(path: tuple, prefix: str, num_experts: int) -> dict:
-  """Per-expert keys (`experts.{e}.gate_proj.weight`, what checkpoints hold) or the fused
-  [E, 2F, D] / [E, D, F] tensors that transformers >= 5 writes with save_original_format=False."""
-  parts = (("w_gate_edf", "gate_proj", "gate_up_proj", 0, 2),
-           ("w_up_edf", "up_proj", "gate_up_proj", 1, 2),
-           ("w_down_efd", "down_proj", "down_proj", 0, 1))
-  return {(*path, param_name): StackedExperts(f"{prefix}.{{e}}.{proj}.weight", num_experts,
-                                              fused=f"{prefix}.{fused}", fused_part=part,
-                                              fused_parts=count)
-          for param_name, proj, fused, part, count in parts}

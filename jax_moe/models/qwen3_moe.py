@@ -17,7 +17,8 @@ from flax import nnx
 from jax_moe.models import layers
 from jax_moe.models.attention import gqa_attention, update_kv
 from jax_moe.models.base import Cache, CausalLM
-from jax_moe.models.checkpoint import CheckpointError, StackedExperts, Tensor, linear
+from jax_moe.models.checkpoint import (CheckpointError, Tensor, dense_mlp_sources, linear,
+                                       routed_expert_sources)
 from jax_moe.models.moe import RoutedExperts
 from jax_moe.models.sharding import ShardingRules
 
@@ -197,17 +198,8 @@ class Qwen3MoeForCausalLM(CausalLM):
         sources[("layers", i, "attn", name, "weight")] = Tensor(f"{p}.self_attn.{name}.weight")
       if layer.is_moe:
         sources[("layers", i, "mlp", "router", "w")] = linear(f"{p}.mlp.gate")
-        experts = f"{p}.mlp.experts"
-        E = cfg.num_experts
-        for param, proj, fused, part, parts in (
-            ("w_gate_edf", "gate_proj", "gate_up_proj", 0, 2),
-            ("w_up_edf", "up_proj", "gate_up_proj", 1, 2),
-            ("w_down_efd", "down_proj", "down_proj", 0, 1)):
-          sources[("layers", i, "mlp", "experts", param)] = StackedExperts(
-              f"{experts}.{{e}}.{proj}.weight", E, fused=f"{experts}.{fused}", fused_part=part,
-              fused_parts=parts)
+        sources.update(routed_expert_sources(("layers", i, "mlp", "experts"),
+                                             f"{p}.mlp.experts", cfg.num_experts))
       else:
-        for param, proj in (("w_gate_df", "gate_proj"), ("w_up_df", "up_proj"),
-                            ("w_down_fd", "down_proj")):
-          sources[("layers", i, "mlp", param)] = linear(f"{p}.mlp.{proj}")
+        sources.update(dense_mlp_sources(("layers", i, "mlp"), f"{p}.mlp"))
     return sources
