@@ -83,7 +83,9 @@ class Generator:
       logits_bsv, cache = nnx.merge(graphdef, state)(token_b[:, None], cache=cache)
       return pick(logits_bsv[:, -1], key), cache
 
-    donate = () if jax.default_backend() == "cpu" else ("cache",)
+    # Donating the cache lets XLA update it in place on GPUs; CPU meshes keep it undonated.
+    platform = model.rules.mesh.devices.flat[0].platform
+    donate = () if platform == "cpu" else ("cache",)
     self.prefill = jax.jit(prefill)
     self.step = jax.jit(step, donate_argnames=donate)
 
