@@ -15,16 +15,40 @@ uint64_t* flag_at(char* buffer, size_t offset, int index) {
   return reinterpret_cast<uint64_t*>(buffer + offset) + index;
 }
 
+bool is_remote(const HostRankState& s, int peer) {
+  return s.remote != nullptr && s.remote->is_remote(peer);
+}
+
+// Records TIMEOUT naming `peer`; from now on every wait of this rank gives up at once and
+// records it again (the ranks' sequences no longer agree).
+void give_up(HostRankState& s, int32_t stage, int peer) {
+  s.record_error(kTimeout, stage, peer);
+  s.timeout_peer = peer;
+  s.timed_out = true;
+}
+
+// Stores `seq` in this rank's flag at `offset` of every rank of this process.
 void publish(HostRankState& s, size_t offset, uint64_t seq) {
-  for (char* peer : s.peers) {
-    __atomic_store_n(flag_at(peer, offset, s.dims.rank), seq, __ATOMIC_RELEASE);
+  for (int p = 0; p < s.dims.world; ++p) {
+    if (is_remote(s, p)) continue;
+    __atomic_store_n(flag_at(s.peers[p], offset, s.dims.rank), seq, __ATOMIC_RELEASE);
   }
 }
 
-// Waits until this rank's flag of every peer p (at `offset`) reached `target`. On timeout
-// records TIMEOUT naming the first late peer and returns false; after one, every later wait
-// of this rank gives up at once and records it again (the sequences no longer agree).
-bool wait_all(HostRankState& s, size_t offset, uint64_t target, int32_t stage) {
+// Copies spans_by_peer[p] of the staging copy of every remote rank p to its buffer, as
+// `signal` of call `seq` (see remote_peers.h).
+void post_remote(HostRankState& s, Signal signal, uint64_t seq,
+                 const std::vector<std::vector<Span>>& spans_by_peer, int32_t stage) {
+  if (s.remote == nullptr || s.timed_out) return;
+  int peer = -1;
+  if (!s.remote->post(signal, seq, spans_by_peer, s.timeout_s, &peer)) give_up(s, stage, peer);
+}
+
+// Waits until this rank's flag of every rank p of this process (at `offset`) reached
+// `target`, and every remote rank p sent remote_writes[p] writes of (`signal`, `target`).
+// On timeout records TIMEOUT naming the first late peer and returns false.
+bool wait_all(HostRankState& s, size_t offset, uint64_t target, int32_t stage, Signal signal,
+              const std::vector<uint64_t>& remote_writes) {
   if (s.timed_out) {
     s.record_error(kTimeout, stage, s.timeout_peer);
     return false;
@@ -33,19 +57,29 @@ bool wait_all(HostRankState& s, size_t offset, uint64_t target, int32_t stage) {
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(s.timeout_s));
   for (int p = 0; p < s.dims.world; ++p) {
+    if (is_remote(s, p)) continue;
     const uint64_t* flag = flag_at(s.buffer, offset, p);
     while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) < target) {
       if (Clock::now() > deadline) {
-        s.record_error(kTimeout, stage, p);
-        s.timeout_peer = p;
-        s.timed_out = true;
+        give_up(s, stage, p);
         return false;
       }
       std::this_thread::yield();  // the peer's device thread may share this core
     }
   }
+  // Sequence 0 is the state before the first call: nothing was sent for it.
+  if (s.remote == nullptr || target == 0) return true;
+  const double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+  int late = -1;
+  if (!s.remote->wait(signal, target, remote_writes, std::max(left, 1e-3), &late)) {
+    give_up(s, stage, late);
+    return false;
+  }
   return true;
 }
+
+// Acknowledgements and other signals: one write from every remote peer.
+std::vector<uint64_t> one_write_each(const MoeDims& d) { return std::vector<uint64_t>(d.world, 1); }
 
 // Start of token t of `source` in the dispatch region of `buffer`.
 char* token_slot(char* buffer, const BufferLayout& lay, const MoeDims& d, int source, int t) {
@@ -69,6 +103,76 @@ void quantize_row(const MoeDims& d, const uint16_t* row, char* slot) {
   }
 }
 
+// What dispatch_send writes into a remote rank's buffer, as four spans of this rank's
+// (sender `me`) parts: its token count, its routes (ids, weights) and its rows, each up to
+// its `ntok` tokens. Rows of tokens with no slot on that rank are stale and never read.
+constexpr uint64_t kDispatchWrites = 4;
+
+std::vector<std::vector<Span>> dispatch_spans(const MoeDims& d, const BufferLayout& lay,
+                                              int ntok) {
+  const uint64_t me = d.rank, T = d.max_tokens, K = d.topk;
+  const std::vector<Span> spans = {
+      {lay.recv_num_tokens + 4 * me, 4},
+      {lay.recv_ids + 4 * me * T * K, 4 * uint64_t(ntok) * K},
+      {lay.recv_weights + 4 * me * T * K, 4 * uint64_t(ntok) * K},
+      {lay.recv_tokens + me * T * token_bytes(d), uint64_t(ntok) * token_bytes(d)}};
+  return std::vector<std::vector<Span>>(d.world, spans);
+}
+
+// Calls `run(p, first, count)` for every maximal run of consecutive slots j in
+// [first, first + count) of one source's comb[T][K] that expert rank p fills: the slots
+// where `rank_of_slot(j)` is p. The source (from send_dest) and the expert rank (from
+// slot_rows) find the same runs, so the source knows how many writes to expect.
+template <typename RankOf, typename Run>
+void for_each_slot_run(int slots, RankOf rank_of_slot, Run run) {
+  int j = 0;
+  while (j < slots) {
+    const int p = rank_of_slot(j);
+    int end = j + 1;
+    while (end < slots && rank_of_slot(end) == p) ++end;
+    if (p >= 0) run(p, j, end - j);
+    j = end;
+  }
+}
+
+// What combine_send writes into a remote source's buffer. Source mode: each run of that
+// source's slots held here (rows of comb[T][K][H] that other ranks do not write); expert
+// mode: this rank's partials part[me][T][H], one span.
+std::vector<std::vector<Span>> combine_spans(const HostRankState& s, const BufferLayout& lay,
+                                             const int32_t* slot_rows) {
+  const MoeDims& d = s.dims;
+  const uint64_t T = d.max_tokens, K = d.topk, H = d.hidden;
+  std::vector<std::vector<Span>> spans(d.world);
+  for (int src = 0; src < d.world; ++src) {
+    if (!is_remote(s, src)) continue;
+    if (d.reduce_expert) {
+      const uint64_t block = T * H * partial_bytes(d);
+      spans[src].push_back({lay.combine + d.rank * block, block});
+      continue;
+    }
+    const int32_t* rows = slot_rows + src * T * K;
+    for_each_slot_run(int(T * K), [&](int j) { return rows[j] == -1 ? -1 : d.rank; },
+                      [&](int, int first, int count) {
+                        spans[src].push_back({lay.combine + first * H * 2, count * H * 2});
+                      });
+  }
+  return spans;
+}
+
+// Writes combine_recv expects from each rank: source mode, one per run of this rank's slots
+// that the rank holds (at least one); expert mode, one.
+std::vector<uint64_t> combine_writes(const MoeDims& d, const int32_t* send_dest) {
+  std::vector<uint64_t> writes(d.world, 1);
+  if (d.reduce_expert) return writes;
+  std::vector<uint64_t> runs(d.world, 0);
+  for_each_slot_run(d.max_tokens * d.topk, [&](int j) { return send_dest[j]; },
+                    [&](int p, int, int) {
+                      if (p < d.world) runs[p] += 1;
+                    });
+  for (int p = 0; p < d.world; ++p) writes[p] = std::max<uint64_t>(runs[p], 1);
+  return writes;
+}
+
 }  // namespace
 
 void dispatch_send(HostRankState& s, RowInput input, const void* x, const float* x_scales,
@@ -81,7 +185,10 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
   std::fill(send_dest, send_dest + size_t(T) * K, -1);
   const uint64_t seq = s.dispatch_seq + 1;
   // Never overwrite a region its receiver has not consumed yet.
-  if (!wait_all(s, lay.dispatch_ack, seq - 1, kStageDispatchSend)) return;
+  if (!wait_all(s, lay.dispatch_ack, seq - 1, kStageDispatchSend, Signal::kDispatchAck,
+                one_write_each(d))) {
+    return;
+  }
 
   const int given = *num_tokens;
   const int ntok = std::min(std::max(given, 0), T);
@@ -131,6 +238,7 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
     }
   }
   publish(s, lay.dispatch_flag, seq);
+  post_remote(s, Signal::kDispatch, seq, dispatch_spans(d, lay, ntok), kStageDispatchSend);
   s.dispatch_seq = seq;
 }
 
@@ -149,7 +257,10 @@ void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
   std::fill(tokens_per_expert, tokens_per_expert + L, 0);
   std::fill(slot_rows, slot_rows + size_t(R) * T * K, -1);
   const uint64_t seq = s.dispatch_seq;
-  if (!wait_all(s, lay.dispatch_flag, seq, kStageDispatchRecv)) return;
+  if (!wait_all(s, lay.dispatch_flag, seq, kStageDispatchRecv, Signal::kDispatch,
+                std::vector<uint64_t>(R, kDispatchWrites))) {
+    return;
+  }
 
   const int32_t* ids = reinterpret_cast<const int32_t*>(s.buffer + lay.recv_ids);
   const float* route_w = reinterpret_cast<const float*>(s.buffer + lay.recv_weights);
@@ -203,6 +314,8 @@ void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
     }
   }
   publish(s, lay.dispatch_ack, seq);
+  post_remote(s, Signal::kDispatchAck, seq, std::vector<std::vector<Span>>(R),
+              kStageDispatchRecv);
 }
 
 void combine_send(HostRankState& s, const uint16_t* y, const int32_t* slot_rows,
@@ -214,7 +327,10 @@ void combine_send(HostRankState& s, const uint16_t* y, const int32_t* slot_rows,
   *done = 0;
   const uint64_t seq = s.combine_seq + 1;
   // Never overwrite a combine region its source has not consumed yet.
-  if (!wait_all(s, lay.combine_ack, seq - 1, kStageCombineSend)) return;
+  if (!wait_all(s, lay.combine_ack, seq - 1, kStageCombineSend, Signal::kCombineAck,
+                one_write_each(d))) {
+    return;
+  }
 
   if (!d.reduce_expert) {
     // Row of slot (src, t, k) to comb[t][k] on src; zeros for a slot dropped by overflow.
@@ -258,6 +374,7 @@ void combine_send(HostRankState& s, const uint16_t* y, const int32_t* slot_rows,
     }
   }
   publish(s, lay.combine_flag, seq);
+  post_remote(s, Signal::kCombine, seq, combine_spans(s, lay, slot_rows), kStageCombineSend);
   s.combine_seq = seq;
 }
 
@@ -268,7 +385,10 @@ void combine_recv(HostRankState& s, const int32_t* send_dest, const float* topk_
   const int R = d.world, T = d.max_tokens, K = d.topk, H = d.hidden;
   std::fill(out, out + size_t(T) * H, uint16_t{0});
   const uint64_t seq = s.combine_seq;
-  if (!wait_all(s, lay.combine_flag, seq, kStageCombineRecv)) return;
+  if (!wait_all(s, lay.combine_flag, seq, kStageCombineRecv, Signal::kCombine,
+                combine_writes(d, send_dest))) {
+    return;
+  }
 
   std::vector<float> acc(H);
   const char* comb = s.buffer + lay.combine;
@@ -302,6 +422,7 @@ void combine_recv(HostRankState& s, const int32_t* send_dest, const float* topk_
     for (int i = 0; i < H; ++i) out[size_t(t) * H + i] = f32_to_bf16(acc[i]);
   }
   publish(s, lay.combine_ack, seq);
+  post_remote(s, Signal::kCombineAck, seq, std::vector<std::vector<Span>>(R), kStageCombineRecv);
 }
 
 }  // namespace jax_moe::host

@@ -12,13 +12,18 @@ checks.check_combine, and a second run bit-identical to the first.
   python tests/gpu/mp_worker.py --process-id I --num-processes N --port P --gpu G --out r.json
 
 writes {"ok": bool, "errors": [...], ...} to --out and exits 0 only when ok.
---platform cpu runs the same job with the xla backend on one CPU device per process
-(no GPU needed; checks this script itself).
+--platform cpu runs the same job on CPU devices (no GPU needed): --backend xla (default;
+checks this script itself) or host (ranks of one process share memory, ranks of other
+processes are reached through the TransferEngine), --devices-per-process of them each.
+--kill-process I: process I SIGKILLs itself as soon as its first run is launched; the
+others must see that run end in CommError within JAX_MOE_TIMEOUT_S + 5 s.
 """
 
 import argparse
 import inspect
 import json
+import os
+import signal
 import sys
 import time
 import traceback
@@ -44,7 +49,13 @@ def parse_args(argv=None):
                         help="CUDA device index this process uses (required with --platform cuda)")
     parser.add_argument("--out", type=Path, required=True, help="result JSON")
     parser.add_argument("--platform", choices=("cuda", "cpu"), default="cuda",
-                        help="cuda: the cuda backend; cpu: the xla backend on one CPU device")
+                        help="cuda: the cuda backend on one GPU; cpu: CPU devices")
+    parser.add_argument("--backend", choices=("cuda", "xla", "host"), default=None,
+                        help="default: cuda with --platform cuda, xla with --platform cpu")
+    parser.add_argument("--devices-per-process", type=int, default=1,
+                        help="CPU devices (ranks) of each process (--platform cpu only)")
+    parser.add_argument("--kill-process", type=int, default=-1,
+                        help="this process SIGKILLs itself once its first run is launched")
     parser.add_argument("--dispatch", choices=("bf16", "fp8", "fp8-prequantized"), default="fp8")
     parser.add_argument("--reduce", choices=("source", "expert"), default="source")
     parser.add_argument("--partial-dtype", choices=("float32", "bfloat16"), default="float32")
@@ -60,6 +71,13 @@ def parse_args(argv=None):
         parser.error(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
     if args.platform == "cuda" and (args.gpu is None or args.gpu < 0):
         parser.error(f"--gpu must be a CUDA device index >= 0 with --platform cuda, got {args.gpu}")
+    if args.backend is None:
+        args.backend = "cuda" if args.platform == "cuda" else "xla"
+    if (args.backend == "cuda") != (args.platform == "cuda"):
+        parser.error(f"--backend {args.backend} does not run on --platform {args.platform}")
+    if args.devices_per_process < 1 or (args.platform == "cuda" and args.devices_per_process != 1):
+        parser.error("--devices-per-process must be 1 with --platform cuda and >= 1 on cpu, got "
+                     f"{args.devices_per_process}")
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = [s for s in args.scenarios if s not in SCENARIOS]
     if unknown or not args.scenarios:
@@ -101,7 +119,7 @@ class Barrier:
 class ProcessRunner(Runner):
     """moe_runner.Runner's program over a mesh spanning processes; returns this process's ranks."""
 
-    def __init__(self, setup, mesh, barrier):
+    def __init__(self, setup, mesh, barrier, kill_me=False):
         # Runner.__init__ builds its mesh from the first devices; this one is given.
         self.setup = setup
         self.geometry = setup.geometry
@@ -109,8 +127,9 @@ class ProcessRunner(Runner):
         self.comm = jm.Communicator(setup.config(), mesh, axis=AXIS, backend=setup.backend)
         self._program = jax.jit(shard_map(self._per_shard, mesh, in_specs=P(AXIS),
                                           out_specs=P(AXIS)))
-        self._compiled = None
+        self._compiled = False
         self._barrier = barrier
+        self._kill_me = kill_me
         me = jax.process_index()
         self.ranks = [r for r, d in enumerate(mesh.devices.flat) if d.process_index == me]
 
@@ -139,12 +158,19 @@ class ProcessRunner(Runner):
                                           flat(inputs.routing.topk_ids),
                                           flat(inputs.routing.topk_weights),
                                           inputs.routing.num_tokens, flat(inputs.y_given))]
-        if self._compiled is None:
+        if not self._compiled:
             # Compiling takes each process a different time; a rank's kernels must not wait
             # for a peer that is still compiling, so compile first and meet before running.
-            self._compiled = self._program.lower(*args).compile()
+            # The jitted program is called, not the compiled object: it shares the compiled
+            # executable, and the compiled object's fast path (jax 0.10) drops the token of
+            # ordered effects (the host backend's) from the second call on.
+            self._program.lower(*args).compile()
+            self._compiled = True
         self._barrier(what)
-        first, second, out_given, out_scaled = jax.block_until_ready(self._compiled(*args))
+        outputs = self._program(*args)
+        if self._kill_me:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-run: the launch is asynchronous
+        first, second, out_given, out_scaled = jax.block_until_ready(outputs)
         local = lambda d: {k: self._local(v) for k, v in d.items()}  # noqa: E731
         return RunResult(local(first), local(second), self._local(out_given),
                          self._local(out_scaled))
@@ -214,15 +240,17 @@ def log(message):
 
 def run_job(args):
     """Every scenario twice; returns the errors. A run that raises ends the job."""
-    setup = Setup("cuda" if args.platform == "cuda" else "xla", args.num_processes,
-                  dispatch=args.dispatch, expert_padding=args.expert_padding,
+    ranks = args.num_processes * args.devices_per_process
+    setup = Setup(args.backend, ranks, dispatch=args.dispatch, expert_padding=args.expert_padding,
                   combine_reduce=args.reduce, partial_dtype=args.partial_dtype, split=args.split)
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    if len(devices) != args.num_processes:
-        return [f"expected one device per process ({args.num_processes}), got {devices}"]
+    if len(devices) != ranks:
+        return [f"expected {args.devices_per_process} devices per process, got {devices}"]
     mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
     barrier = Barrier()
-    runner = ProcessRunner(setup, mesh, barrier)
+    runner = ProcessRunner(setup, mesh, barrier, kill_me=args.kill_process == args.process_id)
+    if args.kill_process >= 0:
+        return expect_comm_error(runner, setup, rng=np.random.default_rng(args.seed))
     log(f"ranks {runner.ranks} on {runner.mesh.devices.flat[runner.ranks[0]]}, {setup}")
     rng = np.random.default_rng(args.seed)  # the same draws in every process
     errors = []
@@ -243,6 +271,22 @@ def run_job(args):
     return errors
 
 
+def expect_comm_error(runner, setup, rng):
+    """The run a peer dies in must end in CommError within the timeout + 5 s; returns errors."""
+    inputs = make_inputs(setup, rng, routing(rng, setup.geometry, SCENARIOS[0]))
+    started = time.monotonic()
+    try:
+        runner.run_local(inputs, "killed")
+        runner.comm.check()
+    except jm.CommError as e:
+        seconds = time.monotonic() - started
+        log(f"CommError after {seconds:.1f} s: {e}")
+        runner.comm.close()
+        limit = float(os.environ["JAX_MOE_TIMEOUT_S"]) + 5
+        return [] if seconds <= limit else [f"CommError after {seconds:.1f} s > {limit} s"]
+    return ["the run with a killed peer ended without CommError"]
+
+
 def initialize_distributed(args):
     """jax.distributed over loopback with this process's one device.
 
@@ -254,7 +298,8 @@ def initialize_distributed(args):
                    heartbeat_timeout_seconds=30, shutdown_timeout_seconds=30)
     accepted = inspect.signature(jax.distributed.initialize).parameters
     jax.distributed.initialize(coordinator_address=address, num_processes=args.num_processes,
-                               process_id=args.process_id, local_device_ids=[0],
+                               process_id=args.process_id,
+                               local_device_ids=list(range(args.devices_per_process)),
                                **{k: v for k, v in options.items() if k in accepted})
 
 
@@ -273,6 +318,10 @@ def main(args):
         print(error, file=sys.stderr)
     print(f"[process {args.process_id}] {'ok' if not errors else 'FAILED'}", file=sys.stderr,
           flush=True)
+    if args.kill_process >= 0 and not errors:
+        # jax.distributed's shutdown (also run at exit) would wait for the dead peer.
+        sys.stderr.flush()
+        os._exit(0)
     if not errors:
         jax.distributed.shutdown()
     return 0 if not errors else 1
