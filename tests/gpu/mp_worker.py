@@ -268,7 +268,28 @@ def run_job(args):
             f"({time.monotonic() - started:.1f} s)")
     barrier("finished")  # no peer still writes into this process's buffers
     runner.comm.close()
+    if setup.backend == "host":
+        errors += close_leaves_no_threads(setup, mesh)
     return errors
+
+
+def thread_count():
+    return len(os.listdir("/proc/self/task"))
+
+
+def close_leaves_no_threads(setup, mesh):
+    """A host communicator over processes starts threads (one TransferEngine progress thread
+    per local rank); close() must end every one. Measured after the job ran, so the threads
+    JAX starts lazily exist already."""
+    before = thread_count()
+    comm = jm.Communicator(setup.config(), mesh, axis=AXIS, backend="host")
+    opened = thread_count()
+    comm.close()
+    closed = thread_count()
+    if opened <= before or closed != before:
+        return [f"threads: {before} before a host communicator, {opened} with it, {closed} "
+                "after close() (must be more, then the same as before)"]
+    return []
 
 
 def expect_comm_error(runner, setup, rng):
