@@ -46,6 +46,14 @@ FabricPeers::FabricPeers(const transport::Config& config, int world,
     staging_index_[peer] = int(std::count_if(staging_index_.begin(), staging_index_.end(),
                                              [](int i) { return i >= 0; }));
   }
+  // Every write is a span of the buffer, so a buffer the provider can write in one message
+  // is enough (shm and tcp have no limit; efa and verbs do).
+  if (buffer_bytes > engine_.facts().max_msg_size) {
+    throw transport::TransportError(
+        "host backend: the rank buffer (" + std::to_string(buffer_bytes) +
+        " bytes) exceeds the largest message of provider " + engine_.facts().provider + " (" +
+        std::to_string(engine_.facts().max_msg_size) + " bytes); lower max_tokens or hidden");
+  }
   const uint64_t staging_bytes = buffer_bytes * remote_ranks.size();
   staging_storage_.reset(new uint64_t[staging_bytes / 8 + 1]());
   buffer_region_ = engine_.register_memory(buffer, buffer_bytes);

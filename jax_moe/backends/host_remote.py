@@ -8,7 +8,8 @@ a per-process counter: every process must build its host communicators in the sa
 
 Provider and source address come from the environment: JAX_MOE_HOST_PROVIDER (default
 "shm"; "tcp;ofi_rxm" on any network) and JAX_MOE_HOST_NODE (default none; "127.0.0.1" keeps
-tcp on loopback).
+tcp on loopback). JAX_MOE_HOST_SHUFFLE_SEED (default 0, off) turns on the engines' test mode
+that applies completions late and in random order (results must not change).
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def node() -> str:
   return os.environ.get("JAX_MOE_HOST_NODE", "")
 
 
+def shuffle_seed() -> int:
+  text = os.environ.get("JAX_MOE_HOST_SHUFFLE_SEED", "0")
+  if not text.isdigit():
+    raise ValueError(f"JAX_MOE_HOST_SHUFFLE_SEED must be a non-negative integer, got {text!r}")
+  return int(text)
+
+
 def _kv_client(owner: str):
   from jax._src import distributed
   client = distributed.global_state.client
@@ -56,7 +64,8 @@ def connect_remote(comm_id: int, group_index: int, local: list[int], owner: str)
   for p, ordinal in enumerate(local):
     if ordinal < 0:
       continue
-    card, descriptor = module.host_open_remote(comm_id, ordinal, remote, provider(), node(), 0)
+    card, descriptor = module.host_open_remote(comm_id, ordinal, remote, provider(), node(),
+                                               shuffle_seed())
     client.key_value_set(key("card", p), card.hex())
     client.key_value_set(key("buffer", p), descriptor.hex())
   for p in remote:

@@ -85,6 +85,10 @@ HOST_JOBS = (
     Job("host-2x4-tcp-fp8prequantized-expert-bf16partials", (0, 0),
         HOST_2X4 + ("--dispatch", "fp8-prequantized", "--reduce", "expert",
                     "--partial-dtype", "bfloat16"), timeout_s=90, env=TCP),
+    # Completions applied late and in random order (the engines' test mode): same results.
+    Job("host-2x4-shm-fp8-expert-shuffled", (0, 0),
+        HOST_2X4 + ("--dispatch", "fp8", "--reduce", "expert", "--split"), timeout_s=90,
+        env=SHM + (("JAX_MOE_HOST_SHUFFLE_SEED", "7"),)),
     # JAX_MOE_TIMEOUT_S=5: the survivor must raise CommError within 5 + 5 s (mp_worker checks).
     Job("host-2x4-shm-peer-killed", (0, 0), HOST_2X4 + ("--kill-process", "1"),
         timeout_s=60, env=SHM + (("JAX_MOE_TIMEOUT_S", "5"),), killed=1),
