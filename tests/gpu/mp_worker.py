@@ -1,7 +1,7 @@
 """One process of an N-process expert-parallel job; tests/gpu/test_multiprocess.py starts N of them.
 
-Every process drives one device (one rank of the "ep" axis, ranks in process order) and
-joins the others through jax.distributed. With the cuda backend, ranks in other processes
+Every process drives one device, or --devices-per-process CPU devices (ranks of the "ep"
+axis, in process order), and joins the others through jax.distributed. With the cuda backend, ranks in other processes
 map each other's buffers through CUDA IPC handles exchanged in the distributed key-value
 store; several processes may share one GPU. Each process builds the same global problem
 from one seed, runs the parity program of tests/moe_runner.py (dispatch + combine twice)
@@ -161,9 +161,10 @@ class ProcessRunner(Runner):
         if not self._compiled:
             # Compiling takes each process a different time; a rank's kernels must not wait
             # for a peer that is still compiling, so compile first and meet before running.
-            # The jitted program is called, not the compiled object: it shares the compiled
-            # executable, and the compiled object's fast path (jax 0.10) drops the token of
-            # ordered effects (the host backend's) from the second call on.
+            # The jitted program is called, not the compiled object: it reuses the executable,
+            # while the compiled object's second call (jax 0.10.2) fails with the host
+            # backend's ordered effects ("Execution supplied 5 arguments but compiled program
+            # expected 6": the effect token is left out).
             self._program.lower(*args).compile()
             self._compiled = True
         self._barrier(what)
@@ -250,7 +251,8 @@ def run_job(args):
     barrier = Barrier()
     runner = ProcessRunner(setup, mesh, barrier, kill_me=args.kill_process == args.process_id)
     if args.kill_process >= 0:
-        return expect_comm_error(runner, setup, rng=np.random.default_rng(args.seed))
+        dead = [r for r, d in enumerate(mesh.devices.flat) if d.process_index == args.kill_process]
+        return expect_comm_error(runner, setup, np.random.default_rng(args.seed), dead)
     log(f"ranks {runner.ranks} on {runner.mesh.devices.flat[runner.ranks[0]]}, {setup}")
     rng = np.random.default_rng(args.seed)  # the same draws in every process
     errors = []
@@ -292,8 +294,9 @@ def close_leaves_no_threads(setup, mesh):
     return []
 
 
-def expect_comm_error(runner, setup, rng):
-    """The run a peer dies in must end in CommError within the timeout + 5 s; returns errors."""
+def expect_comm_error(runner, setup, rng, dead_ranks):
+    """The run a peer dies in must end in a TIMEOUT CommError naming a rank of the dead
+    process within the timeout + 5 s; returns errors."""
     inputs = make_inputs(setup, rng, routing(rng, setup.geometry, SCENARIOS[0]))
     started = time.monotonic()
     try:
@@ -304,12 +307,15 @@ def expect_comm_error(runner, setup, rng):
         log(f"CommError after {seconds:.1f} s: {e}")
         runner.comm.close()
         limit = float(os.environ["JAX_MOE_TIMEOUT_S"]) + 5
-        return [] if seconds <= limit else [f"CommError after {seconds:.1f} s > {limit} s"]
+        errors = [] if seconds <= limit else [f"CommError after {seconds:.1f} s > {limit} s"]
+        if e.code != jm.ErrorCode.TIMEOUT or e.detail not in dead_ranks:
+            errors.append(f"{e}: expected TIMEOUT naming one of the dead ranks {dead_ranks}")
+        return errors
     return ["the run with a killed peer ended without CommError"]
 
 
 def initialize_distributed(args):
-    """jax.distributed over loopback with this process's one device.
+    """jax.distributed over loopback with this process's device(s).
 
     The coordinator listens on loopback only, and the timeouts are short (a dead peer ends the
     job in seconds, not minutes), where the installed jax takes those options.
