@@ -44,6 +44,19 @@ void post_remote(HostRankState& s, Signal signal, uint64_t seq,
   if (!s.remote->post(signal, seq, spans_by_peer, s.timeout_s, &peer)) give_up(s, stage, peer);
 }
 
+// Waits until every remote rank p sent `writes[p]` writes of (`signal`, `seq`), for at most
+// `seconds`. On timeout records TIMEOUT naming the first late peer and returns false.
+bool wait_remote(HostRankState& s, Signal signal, uint64_t seq,
+                 const std::vector<uint64_t>& writes, double seconds, int32_t stage) {
+  if (s.remote == nullptr) return true;
+  int late = -1;
+  if (!s.remote->wait(signal, seq, writes, seconds, &late)) {
+    give_up(s, stage, late);
+    return false;
+  }
+  return true;
+}
+
 // Waits until this rank's flag of every rank p of this process (at `offset`) reached
 // `target`, and every remote rank p sent remote_writes[p] writes of (`signal`, `target`).
 // On timeout records TIMEOUT naming the first late peer and returns false.
@@ -68,14 +81,9 @@ bool wait_all(HostRankState& s, size_t offset, uint64_t target, int32_t stage, S
     }
   }
   // Sequence 0 is the state before the first call: nothing was sent for it.
-  if (s.remote == nullptr || target == 0) return true;
+  if (target == 0) return true;
   const double left = std::chrono::duration<double>(deadline - Clock::now()).count();
-  int late = -1;
-  if (!s.remote->wait(signal, target, remote_writes, std::max(left, 1e-3), &late)) {
-    give_up(s, stage, late);
-    return false;
-  }
-  return true;
+  return wait_remote(s, signal, target, remote_writes, std::max(left, 1e-3), stage);
 }
 
 // Acknowledgements and other signals: one write from every remote peer.
@@ -103,73 +111,128 @@ void quantize_row(const MoeDims& d, const uint16_t* row, char* slot) {
   }
 }
 
-// What dispatch_send writes into a remote rank's buffer, as four spans of this rank's
-// (sender `me`) parts: its token count, its routes (ids, weights) and its rows, each up to
-// its `ntok` tokens. Rows of tokens with no slot on that rank are stale and never read.
-constexpr uint64_t kDispatchWrites = 4;
-
-std::vector<std::vector<Span>> dispatch_spans(const MoeDims& d, const BufferLayout& lay,
-                                              int ntok) {
-  const uint64_t me = d.rank, T = d.max_tokens, K = d.topk;
-  const std::vector<Span> spans = {
-      {lay.recv_num_tokens + 4 * me, 4},
-      {lay.recv_ids + 4 * me * T * K, 4 * uint64_t(ntok) * K},
-      {lay.recv_weights + 4 * me * T * K, 4 * uint64_t(ntok) * K},
-      {lay.recv_tokens + me * T * token_bytes(d), uint64_t(ntok) * token_bytes(d)}};
-  return std::vector<std::vector<Span>>(d.world, spans);
-}
-
-// Calls `run(p, first, count)` for every maximal run of consecutive slots j in
-// [first, first + count) of one source's comb[T][K] that expert rank p fills: the slots
-// where `rank_of_slot(j)` is p. The source (from send_dest) and the expert rank (from
-// slot_rows) find the same runs, so the source knows how many writes to expect.
-template <typename RankOf, typename Run>
-void for_each_slot_run(int slots, RankOf rank_of_slot, Run run) {
+// Calls `run(first, count)` for every maximal run of consecutive indices in [0, n) where
+// `in_run(j)` holds. Sender and receiver of a signal find the same runs of what the sender
+// writes (from what both know), so the receiver knows how many writes to expect.
+template <typename Pred, typename Run>
+void for_each_run(int n, Pred in_run, Run run) {
   int j = 0;
-  while (j < slots) {
-    const int p = rank_of_slot(j);
+  while (j < n) {
+    if (!in_run(j)) {
+      ++j;
+      continue;
+    }
     int end = j + 1;
-    while (end < slots && rank_of_slot(end) == p) ++end;
-    if (p >= 0) run(p, j, end - j);
+    while (end < n && in_run(end)) ++end;
+    run(j, end - j);
     j = end;
   }
 }
 
-// What combine_send writes into a remote source's buffer. Source mode: each run of that
-// source's slots held here (rows of comb[T][K][H] that other ranks do not write); expert
-// mode: this rank's partials part[me][T][H], one span.
-std::vector<std::vector<Span>> combine_spans(const HostRankState& s, const BufferLayout& lay,
-                                             const int32_t* slot_rows) {
+template <typename Pred>
+uint64_t count_runs(int n, Pred in_run) {
+  uint64_t runs = 0;
+  for_each_run(n, in_run, [&](int, int) { ++runs; });
+  return runs;
+}
+
+// What dispatch_send writes into a remote rank's buffer first (Signal::kDispatch), as three
+// spans of this rank's (sender `me`) parts up to its `ntok` tokens: its token count and its
+// routes (ids, weights). Its rows follow as Signal::kDispatchRows (dispatch_row_spans).
+constexpr uint64_t kDispatchRouteWrites = 3;
+
+std::vector<std::vector<Span>> dispatch_route_spans(const MoeDims& d, const BufferLayout& lay,
+                                                    int ntok) {
+  const uint64_t me = d.rank, T = d.max_tokens, K = d.topk;
+  const std::vector<Span> spans = {{lay.recv_num_tokens + 4 * me, 4},
+                                   {lay.recv_ids + 4 * me * T * K, 4 * uint64_t(ntok) * K},
+                                   {lay.recv_weights + 4 * me * T * K, 4 * uint64_t(ntok) * K}};
+  return std::vector<std::vector<Span>>(d.world, spans);
+}
+
+// The rows of the tokens with a slot on remote rank p (bit p of dest_masks[t]), one span per
+// run of consecutive such tokens of recv_tokens[me][T] on p.
+std::vector<std::vector<Span>> dispatch_row_spans(const HostRankState& s, const BufferLayout& lay,
+                                                  const std::vector<uint64_t>& dest_masks) {
   const MoeDims& d = s.dims;
-  const uint64_t T = d.max_tokens, K = d.topk, H = d.hidden;
+  const uint64_t tb = token_bytes(d), base = lay.recv_tokens + uint64_t(d.rank) * d.max_tokens * tb;
   std::vector<std::vector<Span>> spans(d.world);
-  for (int src = 0; src < d.world; ++src) {
-    if (!is_remote(s, src)) continue;
-    if (d.reduce_expert) {
-      const uint64_t block = T * H * partial_bytes(d);
-      spans[src].push_back({lay.combine + d.rank * block, block});
-      continue;
-    }
-    const int32_t* rows = slot_rows + src * T * K;
-    for_each_slot_run(int(T * K), [&](int j) { return rows[j] == -1 ? -1 : d.rank; },
-                      [&](int, int first, int count) {
-                        spans[src].push_back({lay.combine + first * H * 2, count * H * 2});
-                      });
+  for (int p = 0; p < d.world; ++p) {
+    if (!is_remote(s, p)) continue;
+    for_each_run(int(dest_masks.size()), [&](int t) { return (dest_masks[t] >> p) & 1; },
+                 [&](int first, int count) {
+                   spans[p].push_back({base + first * tb, count * tb});
+                 });
   }
   return spans;
 }
 
-// Writes combine_recv expects from each rank: source mode, one per run of this rank's slots
-// that the rank holds (at least one); expert mode, one.
-std::vector<uint64_t> combine_writes(const MoeDims& d, const int32_t* send_dest) {
+// Row writes dispatch_recv expects from each remote source: one per run of its tokens with a
+// slot here, read from the routes that arrived first (at least one write each).
+std::vector<uint64_t> dispatch_row_writes(const HostRankState& s, const BufferLayout& lay,
+                                          const std::vector<int>& ntok) {
+  const MoeDims& d = s.dims;
+  const int T = d.max_tokens, K = d.topk, L = d.local_experts;
+  const int32_t* ids = reinterpret_cast<const int32_t*>(s.buffer + lay.recv_ids);
   std::vector<uint64_t> writes(d.world, 1);
-  if (d.reduce_expert) return writes;
-  std::vector<uint64_t> runs(d.world, 0);
-  for_each_slot_run(d.max_tokens * d.topk, [&](int j) { return send_dest[j]; },
-                    [&](int p, int, int) {
-                      if (p < d.world) runs[p] += 1;
-                    });
-  for (int p = 0; p < d.world; ++p) writes[p] = std::max<uint64_t>(runs[p], 1);
+  for (int src = 0; src < d.world; ++src) {
+    if (!is_remote(s, src)) continue;
+    const int32_t* route = ids + size_t(src) * T * K;
+    const uint64_t runs = count_runs(ntok[src], [&](int t) {
+      return std::any_of(route + t * K, route + (t + 1) * K,
+                         [&](int32_t id) { return id >= d.rank * L && id < (d.rank + 1) * L; });
+    });
+    writes[src] = std::max<uint64_t>(runs, 1);
+  }
+  return writes;
+}
+
+// What combine_send writes into a remote source's buffer. Source mode: each run of that
+// source's slots held here (rows of comb[T][K][H] that other ranks do not write); expert
+// mode: each run of that source's tokens with a slot here, of part[me][T][H].
+std::vector<std::vector<Span>> combine_spans(const HostRankState& s, const BufferLayout& lay,
+                                             const int32_t* slot_rows) {
+  const MoeDims& d = s.dims;
+  const int T = d.max_tokens, K = d.topk;
+  const uint64_t H = d.hidden;
+  std::vector<std::vector<Span>> spans(d.world);
+  for (int src = 0; src < d.world; ++src) {
+    if (!is_remote(s, src)) continue;
+    const int32_t* rows = slot_rows + size_t(src) * T * K;
+    auto add = [&](uint64_t base, uint64_t row_bytes) {
+      return [&spans, src, base, row_bytes](int first, int count) {
+        spans[src].push_back({base + first * row_bytes, count * row_bytes});
+      };
+    };
+    if (d.reduce_expert) {
+      const uint64_t row_bytes = H * partial_bytes(d);
+      for_each_run(T, [&](int t) {
+        return std::any_of(rows + t * K, rows + (t + 1) * K, [](int32_t r) { return r != -1; });
+      }, add(lay.combine + uint64_t(d.rank) * T * row_bytes, row_bytes));
+    } else {
+      for_each_run(T * K, [&](int j) { return rows[j] != -1; }, add(lay.combine, H * 2));
+    }
+  }
+  return spans;
+}
+
+// Writes combine_recv expects from each remote rank p: one per run of this rank's slots
+// (source mode) or tokens (expert mode) that p holds, at least one.
+std::vector<uint64_t> combine_writes(const HostRankState& s, const int32_t* send_dest) {
+  const MoeDims& d = s.dims;
+  const int T = d.max_tokens, K = d.topk;
+  std::vector<uint64_t> writes(d.world, 1);
+  for (int p = 0; p < d.world; ++p) {
+    if (!is_remote(s, p)) continue;
+    const uint64_t runs =
+        d.reduce_expert
+            ? count_runs(T, [&](int t) {
+                return std::any_of(send_dest + t * K, send_dest + (t + 1) * K,
+                                   [p](int32_t dest) { return dest == p; });
+              })
+            : count_runs(T * K, [&](int j) { return send_dest[j] == p; });
+    writes[p] = std::max<uint64_t>(runs, 1);
+  }
   return writes;
 }
 
@@ -196,8 +259,9 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
   for (char* peer : s.peers) reinterpret_cast<int32_t*>(peer + lay.recv_num_tokens)[me] = ntok;
 
   std::vector<char> quantized(input == RowInput::kBf16Quantize ? token_bytes(d) : 0);
+  std::vector<uint64_t> dest_masks(ntok, 0);  // bit p: token t has a slot on rank p
   for (int t = 0; t < ntok; ++t) {
-    uint64_t dest_mask = 0;
+    uint64_t& dest_mask = dest_masks[t];
     for (int k = 0; k < K; ++k) {
       int id = topk_ids[t * K + k];
       if (id < -1 || id >= d.num_experts) {
@@ -238,7 +302,9 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
     }
   }
   publish(s, lay.dispatch_flag, seq);
-  post_remote(s, Signal::kDispatch, seq, dispatch_spans(d, lay, ntok), kStageDispatchSend);
+  post_remote(s, Signal::kDispatch, seq, dispatch_route_spans(d, lay, ntok), kStageDispatchSend);
+  post_remote(s, Signal::kDispatchRows, seq, dispatch_row_spans(s, lay, dest_masks),
+              kStageDispatchSend);
   s.dispatch_seq = seq;
 }
 
@@ -258,7 +324,7 @@ void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
   std::fill(slot_rows, slot_rows + size_t(R) * T * K, -1);
   const uint64_t seq = s.dispatch_seq;
   if (!wait_all(s, lay.dispatch_flag, seq, kStageDispatchRecv, Signal::kDispatch,
-                std::vector<uint64_t>(R, kDispatchWrites))) {
+                std::vector<uint64_t>(R, kDispatchRouteWrites))) {
     return;
   }
 
@@ -276,6 +342,11 @@ void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
       const int e = ids[slot] - me * L;
       if (e >= 0 && e < L) s.slot_rank[slot] = s.expert_counts[src * L + e]++;
     }
+  }
+  // Remote sources' rows come after their routes, which say how many writes they take.
+  if (!wait_remote(s, Signal::kDispatchRows, seq, dispatch_row_writes(s, lay, ntok), s.timeout_s,
+                   kStageDispatchRecv)) {
+    return;
   }
   // Segment e starts at the sum of the padded sizes before it; source s's rows for e follow
   // those of the sources before s.
@@ -386,7 +457,7 @@ void combine_recv(HostRankState& s, const int32_t* send_dest, const float* topk_
   std::fill(out, out + size_t(T) * H, uint16_t{0});
   const uint64_t seq = s.combine_seq;
   if (!wait_all(s, lay.combine_flag, seq, kStageCombineRecv, Signal::kCombine,
-                combine_writes(d, send_dest))) {
+                combine_writes(s, send_dest))) {
     return;
   }
 

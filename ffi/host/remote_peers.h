@@ -18,10 +18,11 @@ namespace jax_moe::host {
 
 // What a write belongs to; with the call's sequence number it makes the immediate's tag.
 enum class Signal : uint32_t {
-  kDispatch = 1,     // routes and rows of a dispatch_send
+  kDispatch = 1,     // routes of a dispatch_send (token count, expert ids, weights)
   kDispatchAck = 2,  // the receiver consumed them (its dispatch_recv finished)
   kCombine = 3,      // combine rows or partials of a combine_send
   kCombineAck = 4,   // the source consumed them (its combine_recv finished)
+  kDispatchRows = 5, // rows of a dispatch_send (their number follows from its routes)
 };
 
 // [offset, offset + length) of the buffer layout: read from the staging copy of the peer,
