@@ -1,4 +1,5 @@
-"""The cuda backend with one rank per process: buffers mapped by CUDA IPC, several ranks a GPU.
+"""Ranks in separate processes: the cuda backend with one rank per process (buffers mapped by
+CUDA IPC, several ranks a GPU), and the CPU backends.
 
 Each job starts N copies of mp_worker.py on a fresh loopback coordinator port; process i is
 rank i and uses the CUDA device gpus[i]. Every worker runs each routing scenario of
@@ -9,7 +10,7 @@ their stderr are shown. The EP8 job (four processes per GPU) runs only with JAX_
 
 `mp_worker.py --platform cpu` runs the same job on CPU devices; the CPU jobs below run on every
 machine: the xla backend on one device per process, and the host backend on 2 processes x 4
-devices (ranks of one process share memory, the others are reached through the
+devices and on 4 x 2 (a worker then checks all its ranks; ranks of one process share memory, the others are reached through the
 TransferEngine over shm or tcp;ofi_rxm), including a job whose second process SIGKILLs itself
 mid-run and whose survivor must raise CommError in time and exit cleanly.
 """
@@ -85,6 +86,10 @@ HOST_JOBS = (
     Job("host-2x4-tcp-fp8prequantized-expert-bf16partials", (0, 0),
         HOST_2X4 + ("--dispatch", "fp8-prequantized", "--reduce", "expert",
                     "--partial-dtype", "bfloat16"), timeout_s=90, env=TCP),
+    # Remote ranks in three other processes.
+    Job("host-4x2-shm-fp8-source-split", (0, 0, 0, 0),
+        ("--platform", "cpu", "--backend", "host", "--devices-per-process", "2",
+         "--dispatch", "fp8", "--reduce", "source", "--split"), timeout_s=90, env=SHM),
     # Completions applied late and in random order (the engines' test mode): same results.
     Job("host-2x4-shm-fp8-expert-shuffled", (0, 0),
         HOST_2X4 + ("--dispatch", "fp8", "--reduce", "expert", "--split"), timeout_s=90,
