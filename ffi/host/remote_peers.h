@@ -38,6 +38,8 @@ class RemotePeers {
 
   // True when rank `peer` lives in another process.
   virtual bool is_remote(int peer) const = 0;
+  // True once every remote rank is connected.
+  virtual bool connected() const = 0;
   // The staging copy of remote rank `peer` (a full buffer layout; only what this rank writes
   // into that peer's buffer is meaningful).
   virtual char* staging(int peer) = 0;

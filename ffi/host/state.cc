@@ -70,6 +70,10 @@ void connect_host_rank(int64_t comm_id, int ordinal, const std::vector<int>& ord
     throw std::invalid_argument("jax_moe host backend: " + std::to_string(ordinals.size()) +
                                 " ordinals for " + std::to_string(s.dims.world) + " ranks");
   }
+  if (s.remote != nullptr && !s.remote->connected()) {
+    throw std::invalid_argument("jax_moe host backend: " + key_text(comm_id, ordinal) +
+                                " has remote ranks not connected yet (host_connect_remote)");
+  }
   s.peers.clear();
   for (int p = 0; p < s.dims.world; ++p) {
     const bool remote = s.remote != nullptr && s.remote->is_remote(p);

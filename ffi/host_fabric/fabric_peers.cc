@@ -37,14 +37,14 @@ FabricPeers::FabricPeers(const transport::Config& config, int world,
       buffer_bytes_(buffer_bytes),
       staging_index_(world, -1),
       group_of_(world, -1) {
+  int next_index = 0;
   for (int peer : remote_ranks) {
     if (peer < 0 || peer >= world || peer == int(config.rank) || staging_index_[peer] >= 0) {
       throw transport::TransportError("host backend: remote rank " + std::to_string(peer) +
                                       " is not another rank in [0, " + std::to_string(world) +
                                       ") listed once");
     }
-    staging_index_[peer] = int(std::count_if(staging_index_.begin(), staging_index_.end(),
-                                             [](int i) { return i >= 0; }));
+    staging_index_[peer] = next_index++;
   }
   // Every write is a span of the buffer, so a buffer the provider can write in one message
   // is enough (shm and tcp have no limit; efa and verbs do).

@@ -28,9 +28,9 @@ class FabricPeers : public RemotePeers {
   std::string buffer_descriptor() const { return engine_.region_descriptor(buffer_region_); }
   // Adds remote rank `peer` (its card and buffer descriptor); every remote rank once.
   void connect(int peer, const std::string& card, const std::string& descriptor);
-  bool connected() const;
 
   bool is_remote(int peer) const override;
+  bool connected() const override;
   char* staging(int peer) override;
   bool post(Signal signal, uint64_t seq, const std::vector<std::vector<Span>>& spans_by_peer,
             double timeout_s, int* failed_peer) override;
