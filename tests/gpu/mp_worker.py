@@ -1,9 +1,9 @@
 """One process of an N-process expert-parallel job; tests/gpu/test_multiprocess.py starts N of them.
 
 Every process drives one device, or --devices-per-process CPU devices (ranks of the "ep"
-axis, in process order), and joins the others through jax.distributed. With the cuda backend, ranks in other processes
-map each other's buffers through CUDA IPC handles exchanged in the distributed key-value
-store; several processes may share one GPU. Each process builds the same global problem
+axis, in process order), and joins the others through jax.distributed. With the cuda
+backend, ranks in other processes map each other's buffers through CUDA IPC handles
+exchanged in the distributed key-value store; several processes may share one GPU. Each process builds the same global problem
 from one seed, runs the parity program of tests/moe_runner.py (dispatch + combine twice)
 on global arrays, and checks the ranks it holds against tests/reference.py: dispatched
 rows, scales, weights and counts bit for bit, combine within the bounds of

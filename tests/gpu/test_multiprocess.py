@@ -10,9 +10,10 @@ their stderr are shown. The EP8 job (four processes per GPU) runs only with JAX_
 
 `mp_worker.py --platform cpu` runs the same job on CPU devices; the CPU jobs below run on every
 machine: the xla backend on one device per process, and the host backend on 2 processes x 4
-devices and on 4 x 2 (a worker then checks all its ranks; ranks of one process share memory, the others are reached through the
-TransferEngine over shm or tcp;ofi_rxm), including a job whose second process SIGKILLs itself
-mid-run and whose survivor must raise CommError in time and exit cleanly.
+devices and on 4 x 2 (a worker then checks all its ranks; ranks of one process share memory,
+the others are reached through the TransferEngine over shm or tcp;ofi_rxm), including a job
+whose second process SIGKILLs itself mid-run and whose survivor must raise CommError in time
+and exit cleanly.
 """
 
 import dataclasses
