@@ -6,10 +6,13 @@ address card and buffer descriptor in the jax.distributed key-value store; then 
 cards of the remote ranks and connects to them. Keys name the communicator by its comm id,
 a per-process counter: every process must build its host communicators in the same order.
 
-Provider and source address come from the environment: JAX_MOE_HOST_PROVIDER (default
-"shm"; "tcp;ofi_rxm" on any network) and JAX_MOE_HOST_NODE (default none; "127.0.0.1" keeps
-tcp on loopback). JAX_MOE_HOST_SHUFFLE_SEED (default 0, off) turns on the engines' test mode
-that applies completions late and in random order (results must not change).
+Provider and source address come from the environment: JAX_MOE_HOST_PROVIDER (default "shm";
+"tcp;ofi_rxm" on any network) and JAX_MOE_HOST_NODE (default none; "127.0.0.1" keeps tcp on
+loopback). With shm, a peer process killed while it holds a lock of libfabric's shared
+queues (a spinlock in shared memory) can leave its peers stuck inside libfabric; tcp reports
+the dead peer, and every wait then ends in CommError. JAX_MOE_HOST_SHUFFLE_SEED (default 0,
+off) turns on the engines' test mode that applies completions late and in random order
+(results must not change).
 """
 
 from __future__ import annotations

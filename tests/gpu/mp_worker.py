@@ -3,11 +3,12 @@
 Every process drives one device, or --devices-per-process CPU devices (ranks of the "ep"
 axis, in process order), and joins the others through jax.distributed. With the cuda
 backend, ranks in other processes map each other's buffers through CUDA IPC handles
-exchanged in the distributed key-value store; several processes may share one GPU. Each process builds the same global problem
-from one seed, runs the parity program of tests/moe_runner.py (dispatch + combine twice)
-on global arrays, and checks the ranks it holds against tests/reference.py: dispatched
-rows, scales, weights and counts bit for bit, combine within the bounds of
-checks.check_combine, and a second run bit-identical to the first.
+exchanged in the distributed key-value store; several processes may share one GPU. Each
+process builds the same global problem from one seed, runs the parity program of
+tests/moe_runner.py (dispatch + combine twice) on global arrays, and checks the ranks it
+holds against tests/reference.py: dispatched rows, scales, weights and counts bit for bit,
+combine within the bounds of checks.check_combine, and a second run bit-identical to the
+first.
 
   python tests/gpu/mp_worker.py --process-id I --num-processes N --port P --gpu G --out r.json
 
@@ -33,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # reference, checks, moe_runner
 
 from routing_cases import SCENARIOS, routing  # noqa: E402  (numpy only: jax is not imported yet)
-from worker_env import configure_environment  # noqa: E402  (no jax either)
+from worker_env import configure_environment, devices_per_process  # noqa: E402  (no jax either)
 
 INIT_TIMEOUT_S = 60
 BARRIER_TIMEOUT_MS = 90_000  # longer than a kernel's timeout, so a stuck rank shows as TIMEOUT
@@ -326,7 +327,7 @@ def initialize_distributed(args):
     accepted = inspect.signature(jax.distributed.initialize).parameters
     jax.distributed.initialize(coordinator_address=address, num_processes=args.num_processes,
                                process_id=args.process_id,
-                               local_device_ids=list(range(args.devices_per_process)),
+                               local_device_ids=list(range(devices_per_process(args))),
                                **{k: v for k, v in options.items() if k in accepted})
 
 
