@@ -45,7 +45,8 @@ class RemotePeers {
   virtual char* staging(int peer) = 0;
   // Posts spans_by_peer[p] to every remote peer p (one write each; one immediate-only write
   // when the list is empty) and waits until they completed locally, so the staging copies
-  // may be reused. False on a transport failure or timeout, naming a peer in `failed_peer`.
+  // may be reused. False on a transport failure or timeout, naming the peer in `failed_peer`
+  // (-1 when writes did not complete in time and none failed: no peer can be named).
   virtual bool post(Signal signal, uint64_t seq,
                     const std::vector<std::vector<Span>>& spans_by_peer, double timeout_s,
                     int* failed_peer) = 0;

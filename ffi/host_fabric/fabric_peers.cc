@@ -115,11 +115,9 @@ bool FabricPeers::post(Signal signal, uint64_t seq,
     peer = -1;
     engine_.flush(seconds_left(deadline));
   } catch (const transport::TransportError&) {
-    // A failed flush names no peer: report the first remote one.
-    *failed_peer = peer >= 0 ? peer : int(std::find_if(staging_index_.begin(),
-                                                       staging_index_.end(),
-                                                       [](int i) { return i >= 0; }) -
-                                          staging_index_.begin());
+    // Posting names its peer; a flush names the peer of a failed write, or none (-1) when
+    // writes just did not complete in time.
+    *failed_peer = peer >= 0 ? peer : engine_.failed_peer();
     return false;
   }
   return true;
