@@ -8,6 +8,7 @@
 #include "ffi/native_cuda.h"
 #endif
 #ifdef JAX_MOE_WITH_LIBFABRIC
+#include "ffi/native_host_fabric.h"
 #include "ffi/native_transport.h"
 #endif
 
@@ -42,5 +43,6 @@ NB_MODULE(_native, m) {
 #endif
 #ifdef JAX_MOE_WITH_LIBFABRIC
   jax_moe::bind_transport(m);
+  jax_moe::bind_host_fabric(m);
 #endif
 }

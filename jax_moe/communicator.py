@@ -35,10 +35,12 @@ def available_backends(platform: str | None = None) -> list[str]:
   names = ["xla"]
   if platform == "gpu" and native.has_cuda():
     names.append("cuda")
-  if platform == "cpu" and jax.process_count() == 1:
+  if platform == "cpu":
+    from jax_moe.backends import host_remote
     from jax_moe.backends.host import has_host
-    if has_host():
-      names.append("host")  # single process only: see jax_moe/backends/host.py
+    # Across processes the host backend needs the TransferEngine (a libfabric build).
+    if has_host() and (jax.process_count() == 1 or host_remote.available()):
+      names.append("host")
   return names
 
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ffi/host/numerics.h"
+#include "ffi/host/remote_spans.h"
 
 namespace jax_moe::host {
 namespace {
@@ -15,16 +16,49 @@ uint64_t* flag_at(char* buffer, size_t offset, int index) {
   return reinterpret_cast<uint64_t*>(buffer + offset) + index;
 }
 
+// Records TIMEOUT naming `peer`; from now on every wait of this rank gives up at once and
+// records it again (the ranks' sequences no longer agree).
+void give_up(HostRankState& s, int32_t stage, int peer) {
+  s.record_error(kTimeout, stage, peer);
+  s.timeout_peer = peer;
+  s.timed_out = true;
+}
+
+// Stores `seq` in this rank's flag at `offset` of every rank of this process.
 void publish(HostRankState& s, size_t offset, uint64_t seq) {
-  for (char* peer : s.peers) {
-    __atomic_store_n(flag_at(peer, offset, s.dims.rank), seq, __ATOMIC_RELEASE);
+  for (int p = 0; p < s.dims.world; ++p) {
+    if (is_remote(s, p)) continue;
+    __atomic_store_n(flag_at(s.peers[p], offset, s.dims.rank), seq, __ATOMIC_RELEASE);
   }
 }
 
-// Waits until this rank's flag of every peer p (at `offset`) reached `target`. On timeout
-// records TIMEOUT naming the first late peer and returns false; after one, every later wait
-// of this rank gives up at once and records it again (the sequences no longer agree).
-bool wait_all(HostRankState& s, size_t offset, uint64_t target, int32_t stage) {
+// Copies spans_by_peer[p] of the staging copy of every remote rank p to its buffer, as
+// `signal` of call `seq` (see remote_peers.h).
+void post_remote(HostRankState& s, Signal signal, uint64_t seq,
+                 const std::vector<std::vector<Span>>& spans_by_peer, int32_t stage) {
+  if (s.remote == nullptr || s.timed_out) return;
+  int peer = -1;
+  if (!s.remote->post(signal, seq, spans_by_peer, s.timeout_s, &peer)) give_up(s, stage, peer);
+}
+
+// Waits until every remote rank p sent `writes[p]` writes of (`signal`, `seq`), for at most
+// `seconds`. On timeout records TIMEOUT naming the first late peer and returns false.
+bool wait_remote(HostRankState& s, Signal signal, uint64_t seq,
+                 const std::vector<uint64_t>& writes, double seconds, int32_t stage) {
+  if (s.remote == nullptr) return true;
+  int late = -1;
+  if (!s.remote->wait(signal, seq, writes, seconds, &late)) {
+    give_up(s, stage, late);
+    return false;
+  }
+  return true;
+}
+
+// Waits until this rank's flag of every rank p of this process (at `offset`) reached
+// `target`, and every remote rank p sent remote_writes[p] writes of (`signal`, `target`).
+// On timeout records TIMEOUT naming the first late peer and returns false.
+bool wait_all(HostRankState& s, size_t offset, uint64_t target, int32_t stage, Signal signal,
+              const std::vector<uint64_t>& remote_writes) {
   if (s.timed_out) {
     s.record_error(kTimeout, stage, s.timeout_peer);
     return false;
@@ -33,19 +67,24 @@ bool wait_all(HostRankState& s, size_t offset, uint64_t target, int32_t stage) {
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(s.timeout_s));
   for (int p = 0; p < s.dims.world; ++p) {
+    if (is_remote(s, p)) continue;
     const uint64_t* flag = flag_at(s.buffer, offset, p);
     while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) < target) {
       if (Clock::now() > deadline) {
-        s.record_error(kTimeout, stage, p);
-        s.timeout_peer = p;
-        s.timed_out = true;
+        give_up(s, stage, p);
         return false;
       }
       std::this_thread::yield();  // the peer's device thread may share this core
     }
   }
-  return true;
+  // Sequence 0 is the state before the first call: nothing was sent for it.
+  if (target == 0) return true;
+  const double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+  return wait_remote(s, signal, target, remote_writes, std::max(left, 1e-3), stage);
 }
+
+// Acknowledgements and other signals: one write from every remote peer.
+std::vector<uint64_t> one_write_each(const MoeDims& d) { return std::vector<uint64_t>(d.world, 1); }
 
 // Start of token t of `source` in the dispatch region of `buffer`.
 char* token_slot(char* buffer, const BufferLayout& lay, const MoeDims& d, int source, int t) {
@@ -81,7 +120,10 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
   std::fill(send_dest, send_dest + size_t(T) * K, -1);
   const uint64_t seq = s.dispatch_seq + 1;
   // Never overwrite a region its receiver has not consumed yet.
-  if (!wait_all(s, lay.dispatch_ack, seq - 1, kStageDispatchSend)) return;
+  if (!wait_all(s, lay.dispatch_ack, seq - 1, kStageDispatchSend, Signal::kDispatchAck,
+                one_write_each(d))) {
+    return;
+  }
 
   const int given = *num_tokens;
   const int ntok = std::min(std::max(given, 0), T);
@@ -89,8 +131,9 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
   for (char* peer : s.peers) reinterpret_cast<int32_t*>(peer + lay.recv_num_tokens)[me] = ntok;
 
   std::vector<char> quantized(input == RowInput::kBf16Quantize ? token_bytes(d) : 0);
+  std::vector<uint64_t> dest_masks(ntok, 0);  // bit p: token t has a slot on rank p
   for (int t = 0; t < ntok; ++t) {
-    uint64_t dest_mask = 0;
+    uint64_t& dest_mask = dest_masks[t];
     for (int k = 0; k < K; ++k) {
       int id = topk_ids[t * K + k];
       if (id < -1 || id >= d.num_experts) {
@@ -131,6 +174,9 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
     }
   }
   publish(s, lay.dispatch_flag, seq);
+  post_remote(s, Signal::kDispatch, seq, dispatch_route_spans(d, lay, ntok), kStageDispatchSend);
+  post_remote(s, Signal::kDispatchRows, seq, dispatch_row_spans(s, lay, dest_masks),
+              kStageDispatchSend);
   s.dispatch_seq = seq;
 }
 
@@ -149,7 +195,10 @@ void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
   std::fill(tokens_per_expert, tokens_per_expert + L, 0);
   std::fill(slot_rows, slot_rows + size_t(R) * T * K, -1);
   const uint64_t seq = s.dispatch_seq;
-  if (!wait_all(s, lay.dispatch_flag, seq, kStageDispatchRecv)) return;
+  if (!wait_all(s, lay.dispatch_flag, seq, kStageDispatchRecv, Signal::kDispatch,
+                std::vector<uint64_t>(R, kDispatchRouteWrites))) {
+    return;
+  }
 
   const int32_t* ids = reinterpret_cast<const int32_t*>(s.buffer + lay.recv_ids);
   const float* route_w = reinterpret_cast<const float*>(s.buffer + lay.recv_weights);
@@ -165,6 +214,11 @@ void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
       const int e = ids[slot] - me * L;
       if (e >= 0 && e < L) s.slot_rank[slot] = s.expert_counts[src * L + e]++;
     }
+  }
+  // Remote sources' rows come after their routes, which say how many writes they take.
+  if (!wait_remote(s, Signal::kDispatchRows, seq, dispatch_row_writes(s, lay, ntok), s.timeout_s,
+                   kStageDispatchRecv)) {
+    return;
   }
   // Segment e starts at the sum of the padded sizes before it; source s's rows for e follow
   // those of the sources before s.
@@ -203,6 +257,8 @@ void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
     }
   }
   publish(s, lay.dispatch_ack, seq);
+  post_remote(s, Signal::kDispatchAck, seq, std::vector<std::vector<Span>>(R),
+              kStageDispatchRecv);
 }
 
 void combine_send(HostRankState& s, const uint16_t* y, const int32_t* slot_rows,
@@ -214,7 +270,10 @@ void combine_send(HostRankState& s, const uint16_t* y, const int32_t* slot_rows,
   *done = 0;
   const uint64_t seq = s.combine_seq + 1;
   // Never overwrite a combine region its source has not consumed yet.
-  if (!wait_all(s, lay.combine_ack, seq - 1, kStageCombineSend)) return;
+  if (!wait_all(s, lay.combine_ack, seq - 1, kStageCombineSend, Signal::kCombineAck,
+                one_write_each(d))) {
+    return;
+  }
 
   if (!d.reduce_expert) {
     // Row of slot (src, t, k) to comb[t][k] on src; zeros for a slot dropped by overflow.
@@ -258,6 +317,7 @@ void combine_send(HostRankState& s, const uint16_t* y, const int32_t* slot_rows,
     }
   }
   publish(s, lay.combine_flag, seq);
+  post_remote(s, Signal::kCombine, seq, combine_spans(s, lay, slot_rows), kStageCombineSend);
   s.combine_seq = seq;
 }
 
@@ -268,7 +328,10 @@ void combine_recv(HostRankState& s, const int32_t* send_dest, const float* topk_
   const int R = d.world, T = d.max_tokens, K = d.topk, H = d.hidden;
   std::fill(out, out + size_t(T) * H, uint16_t{0});
   const uint64_t seq = s.combine_seq;
-  if (!wait_all(s, lay.combine_flag, seq, kStageCombineRecv)) return;
+  if (!wait_all(s, lay.combine_flag, seq, kStageCombineRecv, Signal::kCombine,
+                combine_writes(s, send_dest))) {
+    return;
+  }
 
   std::vector<float> acc(H);
   const char* comb = s.buffer + lay.combine;
@@ -302,6 +365,7 @@ void combine_recv(HostRankState& s, const int32_t* send_dest, const float* topk_
     for (int i = 0; i < H; ++i) out[size_t(t) * H + i] = f32_to_bf16(acc[i]);
   }
   publish(s, lay.combine_ack, seq);
+  post_remote(s, Signal::kCombineAck, seq, std::vector<std::vector<Span>>(R), kStageCombineRecv);
 }
 
 }  // namespace jax_moe::host

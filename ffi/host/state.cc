@@ -70,8 +70,21 @@ void connect_host_rank(int64_t comm_id, int ordinal, const std::vector<int>& ord
     throw std::invalid_argument("jax_moe host backend: " + std::to_string(ordinals.size()) +
                                 " ordinals for " + std::to_string(s.dims.world) + " ranks");
   }
+  if (s.remote != nullptr && !s.remote->connected()) {
+    throw std::invalid_argument("jax_moe host backend: " + key_text(comm_id, ordinal) +
+                                " has remote ranks not connected yet (host_connect_remote)");
+  }
   s.peers.clear();
-  for (int peer : ordinals) s.peers.push_back(existing(comm_id, peer).buffer);
+  for (int p = 0; p < s.dims.world; ++p) {
+    const bool remote = s.remote != nullptr && s.remote->is_remote(p);
+    if ((ordinals[p] < 0) != remote) {
+      throw std::invalid_argument(
+          "jax_moe host backend: rank " + std::to_string(p) + " has ordinal " +
+          std::to_string(ordinals[p]) + ", but it " + (remote ? "is" : "is not") +
+          " a remote rank of " + key_text(comm_id, ordinal) + " (-1 marks remote ranks)");
+    }
+    s.peers.push_back(remote ? s.remote->staging(p) : existing(comm_id, ordinals[p]).buffer);
+  }
   s.connected = true;
 }
 

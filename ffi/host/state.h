@@ -2,7 +2,9 @@
 // process. Created and connected from Python (ffi/host/bindings.cc) outside jit; the FFI
 // handlers (ffi/host/handlers.cc) look it up by (comm id, device ordinal) from XLA's
 // per-device threads, which run concurrently. Ranks of one process share memory: each writes
-// straight into its peers' buffers (layout: cuda/layout.cuh, the CUDA backend's).
+// straight into its peers' buffers (layout: cuda/layout.cuh, the CUDA backend's). Ranks in
+// other processes are reached through `remote` (ffi/host/remote_peers.h): this rank writes
+// into a staging copy of their buffer and `remote` copies the written spans over.
 #pragma once
 
 #include <atomic>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "cuda/layout.cuh"
+#include "ffi/host/remote_peers.h"
 
 namespace jax_moe::host {
 
@@ -21,7 +24,11 @@ struct HostRankState {
   MoeDims dims{};
   std::unique_ptr<uint64_t[]> storage;  // the buffer, 8-byte aligned for its flags
   char* buffer = nullptr;
-  std::vector<char*> peers;             // [R] every rank's buffer (this one included)
+  // Ranks in other processes; null when every rank is in this process. Declared after
+  // `storage` so it closes (and stops writing into the buffer) before the buffer is freed.
+  std::unique_ptr<RemotePeers> remote;
+  // [R] every rank's buffer (this one included); a remote rank's staging copy instead.
+  std::vector<char*> peers;
   std::vector<int32_t> expert_counts;   // scratch [R][L]
   std::vector<int32_t> slot_rank;       // scratch [R][T][K]
   uint64_t dispatch_seq = 0;            // advanced by dispatch_send, used by dispatch_recv
@@ -47,7 +54,8 @@ struct HostRankState {
 
 // The functions below throw std::invalid_argument (for the bindings).
 void create_host_rank(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s);
-// Points rank `ordinal` at every rank's buffer: rank p lives on local device ordinals[p].
+// Points rank `ordinal` at every rank's buffer: rank p lives on local device ordinals[p], or
+// in another process when ordinals[p] is -1 (then `remote` must have it, connected).
 void connect_host_rank(int64_t comm_id, int ordinal, const std::vector<int>& ordinals);
 bool take_host_error(int64_t comm_id, int ordinal, ErrorRecord* out);
 void destroy_host_rank(int64_t comm_id, int ordinal);

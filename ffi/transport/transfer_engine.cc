@@ -608,6 +608,11 @@ void TransferEngine::throw_if_failed() {
   }
 }
 
+int TransferEngine::failed_peer() {
+  std::lock_guard<std::mutex> lock(progress_mutex_);
+  return failed_peer_;
+}
+
 void TransferEngine::fail(const std::string& message) {
   std::lock_guard<std::mutex> lock(progress_mutex_);
   if (failure_.empty()) failure_ = message;
@@ -702,6 +707,7 @@ void TransferEngine::read_error_entry() {
     auto* context = static_cast<WriteContext*>(err.op_context);
     message = "write to rank " + std::to_string(context->peer_rank) + " (tag " +
               std::to_string(immediate_tag(context->immediate)) + ") failed: " + message;
+    if (failure_.empty()) failed_peer_ = int(context->peer_rank);
     ++completed_;
     free_contexts_.push_back(context);
   } else {

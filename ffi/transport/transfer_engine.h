@@ -105,6 +105,9 @@ class TransferEngine {
   void flush(double timeout_s);
   // Immediates (tag, source) that arrived and were not consumed yet.
   uint64_t arrived(uint32_t tag, uint32_t source);
+  // The peer of the failed write that stopped this engine; -1 when none failed, or the
+  // failure names no write (a remote write into this engine, a queue error).
+  int failed_peer();
 
   // Registered regions, the internal signal region included (0 once closed).
   size_t open_regions() const;
@@ -175,6 +178,7 @@ class TransferEngine {
   uint64_t posted_ = 0;
   uint64_t completed_ = 0;
   std::string failure_;  // first CQ error (or fatal progress error); sticky
+  int failed_peer_ = -1;  // the peer of the write that failure_ reports, if it is one
   // Contexts of writes in flight come from this pool (owned here, reused after completion).
   std::vector<std::unique_ptr<WriteContext>> context_pool_;
   std::vector<WriteContext*> free_contexts_;

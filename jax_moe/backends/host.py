@@ -7,8 +7,10 @@ everything above the FFI call is the cuda backend's, except that every call is o
 process share memory and write straight into each other's buffers, signalling with sequence
 flags; every wait has a timeout (JAX_MOE_TIMEOUT_S, default 10 s).
 
-Single process only for now: ranks in other processes would go through the TransferEngine
-(jax_moe.transport), which this backend does not drive yet, so such meshes are refused.
+Ranks in other processes (a mesh over jax.distributed) are reached through one
+TransferEngine per rank (ffi/host_fabric/, bootstrapped by backends/host_remote.py): a rank
+writes into a staging copy of the remote buffer and posts the written spans as RMA writes
+whose immediates the receiver counts. That needs a build with libfabric.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax
 import numpy as np
 
 from jax_moe import native
+from jax_moe.backends import host_remote
 from jax_moe.backends.cuda import CudaBackend
 from jax_moe.backends.cuda_ranks import rank_groups
 
@@ -44,9 +47,11 @@ def has_host() -> bool:
 
 
 class HostRanks:
-  """The rank states of one host communicator, all on this process's CPU devices.
+  """The rank states of one host communicator on this process's CPU devices.
 
-  CPU device ids are this process's device ordinals (what DeviceOrdinal gives the handlers).
+  The handlers' DeviceOrdinal of a CPU device is its id (process 1's first device is 2048,
+  not 0), so rank states are keyed by device id. Ranks of other processes are connected
+  through host_remote.
   """
 
   def __init__(self, mesh, axis: str, create):
@@ -55,22 +60,31 @@ class HostRanks:
       raise ValueError(f"{owner}: needs jax_moe._native (build_info: {native.build_info()}) "
                        "and a jax whose internals backends/ordered_ffi.py knows")
     groups = rank_groups(mesh, axis)
-    if any(d.process_index != jax.process_index() for d in groups.flat):
-      raise ValueError(f"{owner}: the mesh spans processes; the host backend's cross-process "
-                       "path (TransferEngine) is not implemented yet; use backend='xla'")
+    me = jax.process_index()
+    if any(d.process_index != me for d in groups.flat) and not host_remote.available():
+      raise ValueError(f"{owner}: the mesh spans processes, which needs jax_moe._native built "
+                       f"with libfabric (build_info: {native.build_info()}); use backend='xla'")
     native.register_targets()
     self._native = native.load()
     self.comm_id = next(_comm_ids)
     self.ordinals: list[int] = []
     try:
-      for group in groups:
-        for rank, device in enumerate(group):
-          create(self.comm_id, device.id, rank)
-          self.ordinals.append(device.id)
-      for group in groups:
-        ordinals = [d.id for d in group]
+      # local[g][p]: device id of rank p of group g in this process, -1 in another process.
+      local = [[d.id if d.process_index == me else -1 for d in group]
+               for group in groups]
+      for ordinals in local:
+        for rank, ordinal in enumerate(ordinals):
+          if ordinal >= 0:
+            create(self.comm_id, ordinal, rank)
+            self.ordinals.append(ordinal)
+      for index, ordinals in enumerate(local):
+        if all(o < 0 for o in ordinals):
+          continue
+        if any(o < 0 for o in ordinals):
+          host_remote.connect_remote(self.comm_id, index, ordinals, owner)
         for ordinal in ordinals:
-          self._native.host_connect_rank(self.comm_id, ordinal, ordinals)
+          if ordinal >= 0:
+            self._native.host_connect_rank(self.comm_id, ordinal, ordinals)
     except BaseException:
       self.close()
       raise

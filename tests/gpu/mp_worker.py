@@ -1,24 +1,30 @@
 """One process of an N-process expert-parallel job; tests/gpu/test_multiprocess.py starts N of them.
 
-Every process drives one device (one rank of the "ep" axis, ranks in process order) and
-joins the others through jax.distributed. With the cuda backend, ranks in other processes
-map each other's buffers through CUDA IPC handles exchanged in the distributed key-value
-store; several processes may share one GPU. Each process builds the same global problem
-from one seed, runs the parity program of tests/moe_runner.py (dispatch + combine twice)
-on global arrays, and checks the ranks it holds against tests/reference.py: dispatched
-rows, scales, weights and counts bit for bit, combine within the bounds of
-checks.check_combine, and a second run bit-identical to the first.
+Every process drives one device, or --devices-per-process CPU devices (ranks of the "ep"
+axis, in process order), and joins the others through jax.distributed. With the cuda
+backend, ranks in other processes map each other's buffers through CUDA IPC handles
+exchanged in the distributed key-value store; several processes may share one GPU. Each
+process builds the same global problem from one seed, runs the parity program of
+tests/moe_runner.py (dispatch + combine twice) on global arrays, and checks the ranks it
+holds against tests/reference.py: dispatched rows, scales, weights and counts bit for bit,
+combine within the bounds of checks.check_combine, and a second run bit-identical to the
+first.
 
   python tests/gpu/mp_worker.py --process-id I --num-processes N --port P --gpu G --out r.json
 
 writes {"ok": bool, "errors": [...], ...} to --out and exits 0 only when ok.
---platform cpu runs the same job with the xla backend on one CPU device per process
-(no GPU needed; checks this script itself).
+--platform cpu runs the same job on CPU devices (no GPU needed): --backend xla (default;
+checks this script itself) or host (ranks of one process share memory, ranks of other
+processes are reached through the TransferEngine), --devices-per-process of them each.
+--kill-process I: process I SIGKILLs itself as soon as its first run is launched; the
+others must see that run end in CommError within JAX_MOE_TIMEOUT_S + 5 s.
 """
 
 import argparse
 import inspect
 import json
+import os
+import signal
 import sys
 import time
 import traceback
@@ -28,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # reference, checks, moe_runner
 
 from routing_cases import SCENARIOS, routing  # noqa: E402  (numpy only: jax is not imported yet)
-from worker_env import configure_environment  # noqa: E402  (no jax either)
+from worker_env import configure_environment, devices_per_process  # noqa: E402  (no jax either)
 
 INIT_TIMEOUT_S = 60
 BARRIER_TIMEOUT_MS = 90_000  # longer than a kernel's timeout, so a stuck rank shows as TIMEOUT
@@ -44,7 +50,13 @@ def parse_args(argv=None):
                         help="CUDA device index this process uses (required with --platform cuda)")
     parser.add_argument("--out", type=Path, required=True, help="result JSON")
     parser.add_argument("--platform", choices=("cuda", "cpu"), default="cuda",
-                        help="cuda: the cuda backend; cpu: the xla backend on one CPU device")
+                        help="cuda: the cuda backend on one GPU; cpu: CPU devices")
+    parser.add_argument("--backend", choices=("cuda", "xla", "host"), default=None,
+                        help="default: cuda with --platform cuda, xla with --platform cpu")
+    parser.add_argument("--devices-per-process", type=int, default=1,
+                        help="CPU devices (ranks) of each process (--platform cpu only)")
+    parser.add_argument("--kill-process", type=int, default=-1,
+                        help="this process SIGKILLs itself once its first run is launched")
     parser.add_argument("--dispatch", choices=("bf16", "fp8", "fp8-prequantized"), default="fp8")
     parser.add_argument("--reduce", choices=("source", "expert"), default="source")
     parser.add_argument("--partial-dtype", choices=("float32", "bfloat16"), default="float32")
@@ -60,6 +72,13 @@ def parse_args(argv=None):
         parser.error(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
     if args.platform == "cuda" and (args.gpu is None or args.gpu < 0):
         parser.error(f"--gpu must be a CUDA device index >= 0 with --platform cuda, got {args.gpu}")
+    if args.backend is None:
+        args.backend = "cuda" if args.platform == "cuda" else "xla"
+    if (args.backend == "cuda") != (args.platform == "cuda"):
+        parser.error(f"--backend {args.backend} does not run on --platform {args.platform}")
+    if args.devices_per_process < 1 or (args.platform == "cuda" and args.devices_per_process != 1):
+        parser.error("--devices-per-process must be 1 with --platform cuda and >= 1 on cpu, got "
+                     f"{args.devices_per_process}")
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = [s for s in args.scenarios if s not in SCENARIOS]
     if unknown or not args.scenarios:
@@ -101,7 +120,7 @@ class Barrier:
 class ProcessRunner(Runner):
     """moe_runner.Runner's program over a mesh spanning processes; returns this process's ranks."""
 
-    def __init__(self, setup, mesh, barrier):
+    def __init__(self, setup, mesh, barrier, kill_me=False):
         # Runner.__init__ builds its mesh from the first devices; this one is given.
         self.setup = setup
         self.geometry = setup.geometry
@@ -109,8 +128,9 @@ class ProcessRunner(Runner):
         self.comm = jm.Communicator(setup.config(), mesh, axis=AXIS, backend=setup.backend)
         self._program = jax.jit(shard_map(self._per_shard, mesh, in_specs=P(AXIS),
                                           out_specs=P(AXIS)))
-        self._compiled = None
+        self._compiled = False
         self._barrier = barrier
+        self._kill_me = kill_me
         me = jax.process_index()
         self.ranks = [r for r, d in enumerate(mesh.devices.flat) if d.process_index == me]
 
@@ -139,12 +159,20 @@ class ProcessRunner(Runner):
                                           flat(inputs.routing.topk_ids),
                                           flat(inputs.routing.topk_weights),
                                           inputs.routing.num_tokens, flat(inputs.y_given))]
-        if self._compiled is None:
+        if not self._compiled:
             # Compiling takes each process a different time; a rank's kernels must not wait
             # for a peer that is still compiling, so compile first and meet before running.
-            self._compiled = self._program.lower(*args).compile()
+            # The jitted program is called, not the compiled object: it reuses the executable,
+            # while the compiled object's second call (jax 0.10.2) fails with the host
+            # backend's ordered effects ("Execution supplied 5 arguments but compiled program
+            # expected 6": the effect token is left out).
+            self._program.lower(*args).compile()
+            self._compiled = True
         self._barrier(what)
-        first, second, out_given, out_scaled = jax.block_until_ready(self._compiled(*args))
+        outputs = self._program(*args)
+        if self._kill_me:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-run: the launch is asynchronous
+        first, second, out_given, out_scaled = jax.block_until_ready(outputs)
         local = lambda d: {k: self._local(v) for k, v in d.items()}  # noqa: E731
         return RunResult(local(first), local(second), self._local(out_given),
                          self._local(out_scaled))
@@ -214,15 +242,18 @@ def log(message):
 
 def run_job(args):
     """Every scenario twice; returns the errors. A run that raises ends the job."""
-    setup = Setup("cuda" if args.platform == "cuda" else "xla", args.num_processes,
-                  dispatch=args.dispatch, expert_padding=args.expert_padding,
+    ranks = args.num_processes * args.devices_per_process
+    setup = Setup(args.backend, ranks, dispatch=args.dispatch, expert_padding=args.expert_padding,
                   combine_reduce=args.reduce, partial_dtype=args.partial_dtype, split=args.split)
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    if len(devices) != args.num_processes:
-        return [f"expected one device per process ({args.num_processes}), got {devices}"]
+    if len(devices) != ranks:
+        return [f"expected {args.devices_per_process} devices per process, got {devices}"]
     mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
     barrier = Barrier()
-    runner = ProcessRunner(setup, mesh, barrier)
+    runner = ProcessRunner(setup, mesh, barrier, kill_me=args.kill_process == args.process_id)
+    if args.kill_process >= 0:
+        dead = [r for r, d in enumerate(mesh.devices.flat) if d.process_index == args.kill_process]
+        return expect_comm_error(runner, setup, np.random.default_rng(args.seed), dead)
     log(f"ranks {runner.ranks} on {runner.mesh.devices.flat[runner.ranks[0]]}, {setup}")
     rng = np.random.default_rng(args.seed)  # the same draws in every process
     errors = []
@@ -240,11 +271,52 @@ def run_job(args):
             f"({time.monotonic() - started:.1f} s)")
     barrier("finished")  # no peer still writes into this process's buffers
     runner.comm.close()
+    if setup.backend == "host":
+        errors += close_leaves_no_threads(setup, mesh)
     return errors
 
 
+def thread_count():
+    return len(os.listdir("/proc/self/task"))
+
+
+def close_leaves_no_threads(setup, mesh):
+    """A host communicator over processes starts threads (one TransferEngine progress thread
+    per local rank); close() must end every one. Measured after the job ran, so the threads
+    JAX starts lazily exist already."""
+    before = thread_count()
+    comm = jm.Communicator(setup.config(), mesh, axis=AXIS, backend="host")
+    opened = thread_count()
+    comm.close()
+    closed = thread_count()
+    if opened <= before or closed != before:
+        return [f"threads: {before} before a host communicator, {opened} with it, {closed} "
+                "after close() (must be more, then the same as before)"]
+    return []
+
+
+def expect_comm_error(runner, setup, rng, dead_ranks):
+    """The run a peer dies in must end in a TIMEOUT CommError naming a rank of the dead
+    process within the timeout + 5 s; returns errors."""
+    inputs = make_inputs(setup, rng, routing(rng, setup.geometry, SCENARIOS[0]))
+    started = time.monotonic()
+    try:
+        runner.run_local(inputs, "killed")
+        runner.comm.check()
+    except jm.CommError as e:
+        seconds = time.monotonic() - started
+        log(f"CommError after {seconds:.1f} s: {e}")
+        runner.comm.close()
+        limit = float(os.environ["JAX_MOE_TIMEOUT_S"]) + 5
+        errors = [] if seconds <= limit else [f"CommError after {seconds:.1f} s > {limit} s"]
+        if e.code != jm.ErrorCode.TIMEOUT or e.detail not in dead_ranks:
+            errors.append(f"{e}: expected TIMEOUT naming one of the dead ranks {dead_ranks}")
+        return errors
+    return ["the run with a killed peer ended without CommError"]
+
+
 def initialize_distributed(args):
-    """jax.distributed over loopback with this process's one device.
+    """jax.distributed over loopback with this process's device(s).
 
     The coordinator listens on loopback only, and the timeouts are short (a dead peer ends the
     job in seconds, not minutes), where the installed jax takes those options.
@@ -254,7 +326,8 @@ def initialize_distributed(args):
                    heartbeat_timeout_seconds=30, shutdown_timeout_seconds=30)
     accepted = inspect.signature(jax.distributed.initialize).parameters
     jax.distributed.initialize(coordinator_address=address, num_processes=args.num_processes,
-                               process_id=args.process_id, local_device_ids=[0],
+                               process_id=args.process_id,
+                               local_device_ids=list(range(devices_per_process(args))),
                                **{k: v for k, v in options.items() if k in accepted})
 
 
@@ -274,6 +347,10 @@ def run_worker(args, job):
         print(error, file=sys.stderr)
     print(f"[process {args.process_id}] {'ok' if not errors else 'FAILED'}", file=sys.stderr,
           flush=True)
+    if args.kill_process >= 0 and not errors:
+        # jax.distributed's shutdown (also run at exit) would wait for the dead peer.
+        sys.stderr.flush()
+        os._exit(0)
     if not errors:
         jax.distributed.shutdown()
     return 0 if not errors else 1

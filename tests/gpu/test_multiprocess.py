@@ -1,4 +1,5 @@
-"""The cuda backend with one rank per process: buffers mapped by CUDA IPC, several ranks a GPU.
+"""Ranks in separate processes: the cuda backend with one rank per process (buffers mapped by
+CUDA IPC, several ranks a GPU), and the CPU backends.
 
 Each job starts N copies of mp_worker.py on a fresh loopback coordinator port; process i is
 rank i and uses the CUDA device gpus[i]. Every worker runs each routing scenario of
@@ -7,13 +8,18 @@ for bit, combine within check_combine's bounds, the two runs bit-identical). The
 every worker exits 0 within the job's time limit; otherwise the workers' errors and the tails of
 their stderr are shown. The EP8 job (four processes per GPU) runs only with JAX_MOE_TEST_EP8=1.
 
-`mp_worker.py --platform cpu` runs the same job with the xla backend on one CPU device per
-process; the CPU job below runs on every machine.
+`mp_worker.py --platform cpu` runs the same job on CPU devices; the CPU jobs below run on every
+machine: the xla backend on one device per process, and the host backend on 2 processes x 4
+devices and on 4 x 2 (a worker then checks all its ranks; ranks of one process share memory,
+the others are reached through the TransferEngine over shm or tcp;ofi_rxm), including a job
+(tcp) whose second process SIGKILLs itself mid-run and whose survivor must raise CommError in
+time and exit cleanly.
 """
 
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +28,8 @@ from pathlib import Path
 
 import jax
 import pytest
+
+from jax_moe.backends import host_remote
 
 WORKER = Path(__file__).with_name("mp_worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +44,8 @@ class Job:
     timeout_s: int = 180
     only_with: str | None = None  # run only when this environment variable is "1"
     worker: Path = WORKER  # the script each process runs (same command-line contract)
+    env: tuple = ()  # (name, value) pairs set for the workers
+    killed: int | None = None  # the process that SIGKILLs itself (--kill-process)
 
     @property
     def num_processes(self):
@@ -61,6 +71,38 @@ CPU_JOBS = (
                                         "--reduce", "source")),
 )
 
+HOST_2X4 = ("--platform", "cpu", "--backend", "host", "--devices-per-process", "4")
+SHM = (("JAX_MOE_HOST_PROVIDER", "shm"),)
+TCP = (("JAX_MOE_HOST_PROVIDER", "tcp;ofi_rxm"), ("JAX_MOE_HOST_NODE", "127.0.0.1"))
+# Every job runs every routing scenario (skewed, -1 slots, num_tokens < max_tokens, ...).
+HOST_JOBS = (
+    Job("host-2x4-shm-fp8-source-padding16", (0, 0),
+        HOST_2X4 + ("--dispatch", "fp8", "--reduce", "source", "--expert-padding", "16"),
+        timeout_s=90, env=SHM),
+    Job("host-2x4-shm-bf16-expert", (0, 0),
+        HOST_2X4 + ("--dispatch", "bf16", "--reduce", "expert"), timeout_s=90, env=SHM),
+    Job("host-2x4-tcp-bf16-source-split", (0, 0),
+        HOST_2X4 + ("--dispatch", "bf16", "--reduce", "source", "--split"),
+        timeout_s=90, env=TCP),
+    Job("host-2x4-tcp-fp8prequantized-expert-bf16partials", (0, 0),
+        HOST_2X4 + ("--dispatch", "fp8-prequantized", "--reduce", "expert",
+                    "--partial-dtype", "bfloat16"), timeout_s=90, env=TCP),
+    # Remote ranks in three other processes.
+    Job("host-4x2-shm-fp8-source-split", (0, 0, 0, 0),
+        ("--platform", "cpu", "--backend", "host", "--devices-per-process", "2",
+         "--dispatch", "fp8", "--reduce", "source", "--split"), timeout_s=90, env=SHM),
+    # Completions applied late and in random order (the engines' test mode): same results.
+    Job("host-2x4-shm-fp8-expert-shuffled", (0, 0),
+        HOST_2X4 + ("--dispatch", "fp8", "--reduce", "expert", "--split"), timeout_s=90,
+        env=SHM + (("JAX_MOE_HOST_SHUFFLE_SEED", "7"),)),
+    # JAX_MOE_TIMEOUT_S=5: the survivor must raise CommError within 5 + 5 s (mp_worker checks).
+    # tcp only: libfabric's shm provider (1.17) guards each process's shared queues with a
+    # spinlock in shared memory, so a peer SIGKILLed while holding one leaves the survivor
+    # spinning inside fi_cq_read / fi_writemsg for ever (seen in about 1 run of 10).
+    Job("host-2x4-tcp-peer-killed", (0, 0), HOST_2X4 + ("--kill-process", "1"),
+        timeout_s=60, env=TCP + (("JAX_MOE_TIMEOUT_S", "5"),), killed=1),
+)
+
 
 def cuda_device_count():
     try:
@@ -83,6 +125,7 @@ def start_worker(job, process_id, port, folder):
     # Inherited: PATH, PYTHONPATH, XLA_FLAGS, NCCL_NVLS_ENABLE and the other NVLS switches.
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_MOE_TIMEOUT_S="20",
                PYTHONUNBUFFERED="1")
+    env.update(job.env)
     with open(folder / f"stdout{process_id}.txt", "w") as out, \
             open(folder / f"stderr{process_id}.txt", "w") as err:
         return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=err,
@@ -131,10 +174,11 @@ def run_job(job, folder):
     port = free_loopback_port()
     processes = [start_worker(job, i, port, folder) for i in range(job.num_processes)]
     codes = wait_all(processes, job.timeout_s)
-    if all(code == 0 for code in codes):
+    expected = [-signal.SIGKILL if i == job.killed else 0 for i in range(job.num_processes)]
+    if codes == expected:
         return
     errors = [worker_errors(folder, i) for i in range(job.num_processes)]
-    report = [f"{job.name}: exit codes {codes} (all must be 0), logs in {folder}"]
+    report = [f"{job.name}: exit codes {codes} (must be {expected}), logs in {folder}"]
     report += [worker_summary(i, job.gpus[i], code, errors[i]) for i, code in enumerate(codes)]
     for i in range(job.num_processes):
         report += worker_details(folder, i, errors[i])
@@ -154,4 +198,11 @@ def test_ranks_in_separate_processes_match_reference(job, tmp_path):
 
 @pytest.mark.parametrize("job", CPU_JOBS, ids=lambda job: job.name)
 def test_xla_ranks_in_separate_cpu_processes_match_reference(job, tmp_path):
+    run_job(job, tmp_path)
+
+
+@pytest.mark.parametrize("job", HOST_JOBS, ids=lambda job: job.name)
+def test_host_ranks_across_cpu_processes_match_reference(job, tmp_path):
+    if not host_remote.available():
+        pytest.skip("the host backend reaches other processes only in builds with libfabric")
     run_job(job, tmp_path)

@@ -1,0 +1,143 @@
+#include "ffi/host_fabric/fabric_peers.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "ffi/transport/errors.h"
+
+namespace jax_moe::host {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Tag of an immediate: the signal kind in bits 2..0, the call's sequence (mod 2^16) above.
+// Sequences of one kind never run more than one ahead of the peer (a sender waits for the
+// previous call's ack), so 16 bits tell calls apart.
+uint32_t tag_of(Signal signal, uint64_t seq) {
+  return uint32_t((seq & 0xffff) << 3) | static_cast<uint32_t>(signal);
+}
+
+// Seconds left until `deadline`, never 0 (the engine reads 0 as "its default bound").
+double seconds_left(Clock::time_point deadline) {
+  const double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+  return std::max(left, 1e-3);
+}
+
+Clock::time_point deadline_after(double seconds) {
+  return Clock::now() +
+         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+}  // namespace
+
+FabricPeers::FabricPeers(const transport::Config& config, int world,
+                         const std::vector<int>& remote_ranks, char* buffer,
+                         uint64_t buffer_bytes)
+    : engine_(config),
+      buffer_bytes_(buffer_bytes),
+      staging_index_(world, -1),
+      group_of_(world, -1) {
+  int next_index = 0;
+  for (int peer : remote_ranks) {
+    if (peer < 0 || peer >= world || peer == int(config.rank) || staging_index_[peer] >= 0) {
+      throw transport::TransportError("host backend: remote rank " + std::to_string(peer) +
+                                      " is not another rank in [0, " + std::to_string(world) +
+                                      ") listed once");
+    }
+    staging_index_[peer] = next_index++;
+  }
+  // Every write is a span of the buffer, so a buffer the provider can write in one message
+  // is enough (shm and tcp have no limit; efa and verbs do).
+  if (buffer_bytes > engine_.facts().max_msg_size) {
+    throw transport::TransportError(
+        "host backend: the rank buffer (" + std::to_string(buffer_bytes) +
+        " bytes) exceeds the largest message of provider " + engine_.facts().provider + " (" +
+        std::to_string(engine_.facts().max_msg_size) + " bytes); lower max_tokens or hidden");
+  }
+  const uint64_t staging_bytes = buffer_bytes * remote_ranks.size();
+  staging_storage_.reset(new uint64_t[staging_bytes / 8 + 1]());
+  buffer_region_ = engine_.register_memory(buffer, buffer_bytes);
+  staging_region_ = engine_.register_memory(staging_storage_.get(), staging_bytes);
+}
+
+FabricPeers::~FabricPeers() {
+  try {
+    engine_.close();  // joins the progress thread before the staging memory goes
+  } catch (const transport::TransportError&) {
+    // A destructor cannot report; close() released what it could.
+  }
+}
+
+void FabricPeers::connect(int peer, const std::string& card, const std::string& descriptor) {
+  if (!is_remote(peer) || group_of_[peer] >= 0) {
+    throw transport::TransportError("host backend: rank " + std::to_string(peer) +
+                                    " is not a remote rank waiting to be connected");
+  }
+  engine_.add_peer(card);
+  group_of_[peer] = engine_.create_group({{uint32_t(peer), descriptor}});
+}
+
+bool FabricPeers::connected() const {
+  for (size_t p = 0; p < group_of_.size(); ++p) {
+    if (staging_index_[p] >= 0 && group_of_[p] < 0) return false;
+  }
+  return true;
+}
+
+bool FabricPeers::is_remote(int peer) const {
+  return peer >= 0 && peer < int(staging_index_.size()) && staging_index_[peer] >= 0;
+}
+
+char* FabricPeers::staging(int peer) {
+  return reinterpret_cast<char*>(staging_storage_.get()) +
+         uint64_t(staging_index_[peer]) * buffer_bytes_;
+}
+
+bool FabricPeers::post(Signal signal, uint64_t seq,
+                       const std::vector<std::vector<Span>>& spans_by_peer, double timeout_s,
+                       int* failed_peer) {
+  const uint32_t tag = tag_of(signal, seq);
+  const auto deadline = deadline_after(timeout_s);
+  int peer = -1;
+  try {
+    for (peer = 0; peer < int(staging_index_.size()); ++peer) {
+      if (!is_remote(peer)) continue;
+      const uint64_t base = uint64_t(staging_index_[peer]) * buffer_bytes_;
+      const std::vector<Span>& spans = spans_by_peer[peer];
+      if (spans.empty()) {
+        engine_.scatter(group_of_[peer], staging_region_, {transport::Slice{}}, tag);
+      }
+      for (const Span& span : spans) {
+        engine_.scatter(group_of_[peer], staging_region_,
+                        {transport::Slice{base + span.offset, span.length, span.offset}}, tag);
+      }
+    }
+    peer = -1;
+    engine_.flush(seconds_left(deadline));
+  } catch (const transport::TransportError&) {
+    // Posting names its peer; a flush names the peer of a failed write, or none (-1) when
+    // writes just did not complete in time.
+    *failed_peer = peer >= 0 ? peer : engine_.failed_peer();
+    return false;
+  }
+  return true;
+}
+
+bool FabricPeers::wait(Signal signal, uint64_t seq, const std::vector<uint64_t>& writes,
+                       double timeout_s, int* late_peer) {
+  const uint32_t tag = tag_of(signal, seq);
+  const auto deadline = deadline_after(timeout_s);
+  for (int peer = 0; peer < int(staging_index_.size()); ++peer) {
+    if (!is_remote(peer)) continue;
+    try {
+      engine_.wait(tag, {{uint32_t(peer), writes[peer]}}, seconds_left(deadline),
+                   "host backend wait");
+    } catch (const transport::TransportError&) {
+      *late_peer = peer;
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace jax_moe::host

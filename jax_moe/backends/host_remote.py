@@ -1,0 +1,79 @@
+"""Bootstrap of the host backend's ranks in other processes (ffi/host_fabric/).
+
+Each local rank of a group that spans processes opens a TransferEngine (its rank = its index
+on the axis), registers its buffer and a staging copy per remote rank, and publishes its
+address card and buffer descriptor in the jax.distributed key-value store; then it reads the
+cards of the remote ranks and connects to them. Keys name the communicator by its comm id,
+a per-process counter: every process must build its host communicators in the same order.
+
+Provider and source address come from the environment: JAX_MOE_HOST_PROVIDER (default "shm";
+"tcp;ofi_rxm" on any network) and JAX_MOE_HOST_NODE (default none; "127.0.0.1" keeps tcp on
+loopback). With shm, a peer process killed while it holds a lock of libfabric's shared
+queues (a spinlock in shared memory) can leave its peers stuck inside libfabric; tcp reports
+the dead peer, and every wait then ends in CommError. JAX_MOE_HOST_SHUFFLE_SEED (default 0,
+off) turns on the engines' test mode that applies completions late and in random order
+(results must not change).
+"""
+
+from __future__ import annotations
+
+import os
+
+from jax_moe import native
+
+_KV_TIMEOUT_MS = 120_000
+DEFAULT_PROVIDER = "shm"
+
+
+def available() -> bool:
+  """True when the native module can reach ranks in other processes (libfabric build)."""
+  module = native.load()
+  return module is not None and hasattr(module, "host_open_remote")
+
+
+def provider() -> str:
+  return os.environ.get("JAX_MOE_HOST_PROVIDER", DEFAULT_PROVIDER)
+
+
+def node() -> str:
+  return os.environ.get("JAX_MOE_HOST_NODE", "")
+
+
+def shuffle_seed() -> int:
+  text = os.environ.get("JAX_MOE_HOST_SHUFFLE_SEED", "0")
+  if not text.isdigit():
+    raise ValueError(f"JAX_MOE_HOST_SHUFFLE_SEED must be a non-negative integer, got {text!r}")
+  return int(text)
+
+
+def _kv_client(owner: str):
+  from jax._src import distributed
+  client = distributed.global_state.client
+  if client is None:
+    raise ValueError(f"{owner}: the mesh spans processes; call jax.distributed.initialize() "
+                     "first")
+  return client
+
+
+def connect_remote(comm_id: int, group_index: int, local: list[int], owner: str) -> None:
+  """Connects the local ranks of one group to its remote ranks.
+
+  local[p] is the device ordinal of rank p when it is in this process, else -1.
+  """
+  module = native.load()
+  client = _kv_client(owner)
+  remote = [p for p, ordinal in enumerate(local) if ordinal < 0]
+  key = lambda what, p: f"jax_moe/host/{comm_id}/{group_index}/{p}/{what}"  # noqa: E731
+  for p, ordinal in enumerate(local):
+    if ordinal < 0:
+      continue
+    card, descriptor = module.host_open_remote(comm_id, ordinal, remote, provider(), node(),
+                                               shuffle_seed())
+    client.key_value_set(key("card", p), card.hex())
+    client.key_value_set(key("buffer", p), descriptor.hex())
+  for p in remote:
+    card = bytes.fromhex(client.blocking_key_value_get(key("card", p), _KV_TIMEOUT_MS))
+    descriptor = bytes.fromhex(client.blocking_key_value_get(key("buffer", p), _KV_TIMEOUT_MS))
+    for ordinal in local:
+      if ordinal >= 0:
+        module.host_connect_remote(comm_id, ordinal, p, card, descriptor)
