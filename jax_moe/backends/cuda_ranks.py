@@ -20,7 +20,7 @@ import numpy as np
 from jax_moe import native
 
 _comm_ids = itertools.count(1)
-_KV_TIMEOUT_MS = 120_000
+KV_TIMEOUT_MS = 120_000
 # Kernels wait in nanoseconds held in 64 bits; a day keeps every conversion far from overflow.
 MAX_TIMEOUT_S = 86_400.0
 
@@ -110,7 +110,7 @@ class CudaRanks:
       if ordinal >= 0:
         client.key_value_set(key(rank), self._native.cuda_ipc_handle(self.comm_id, ordinal).hex())
     return [b"" if ordinal >= 0 else
-            bytes.fromhex(client.blocking_key_value_get(key(rank), _KV_TIMEOUT_MS))
+            bytes.fromhex(client.blocking_key_value_get(key(rank), KV_TIMEOUT_MS))
             for rank, ordinal in enumerate(local)]
 
   def check(self):

@@ -20,8 +20,7 @@ from __future__ import annotations
 import os
 
 from jax_moe import native
-
-_KV_TIMEOUT_MS = 120_000
+from jax_moe.backends.cuda_ranks import KV_TIMEOUT_MS, distributed_client
 DEFAULT_PROVIDER = "shm"
 
 
@@ -46,22 +45,13 @@ def shuffle_seed() -> int:
   return int(text)
 
 
-def _kv_client(owner: str):
-  from jax._src import distributed
-  client = distributed.global_state.client
-  if client is None:
-    raise ValueError(f"{owner}: the mesh spans processes; call jax.distributed.initialize() "
-                     "first")
-  return client
-
-
 def connect_remote(comm_id: int, group_index: int, local: list[int], owner: str) -> None:
   """Connects the local ranks of one group to its remote ranks.
 
   local[p] is the device ordinal of rank p when it is in this process, else -1.
   """
   module = native.load()
-  client = _kv_client(owner)
+  client = distributed_client(owner)
   remote = [p for p, ordinal in enumerate(local) if ordinal < 0]
   key = lambda what, p: f"jax_moe/host/{comm_id}/{group_index}/{p}/{what}"  # noqa: E731
   for p, ordinal in enumerate(local):
@@ -72,8 +62,8 @@ def connect_remote(comm_id: int, group_index: int, local: list[int], owner: str)
     client.key_value_set(key("card", p), card.hex())
     client.key_value_set(key("buffer", p), descriptor.hex())
   for p in remote:
-    card = bytes.fromhex(client.blocking_key_value_get(key("card", p), _KV_TIMEOUT_MS))
-    descriptor = bytes.fromhex(client.blocking_key_value_get(key("buffer", p), _KV_TIMEOUT_MS))
+    card = bytes.fromhex(client.blocking_key_value_get(key("card", p), KV_TIMEOUT_MS))
+    descriptor = bytes.fromhex(client.blocking_key_value_get(key("buffer", p), KV_TIMEOUT_MS))
     for ordinal in local:
       if ordinal >= 0:
         module.host_connect_remote(comm_id, ordinal, p, card, descriptor)
