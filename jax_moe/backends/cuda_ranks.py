@@ -20,6 +20,8 @@ import numpy as np
 from jax_moe import native
 
 _comm_ids = itertools.count(1)
+# How long a rank waits for its peers to publish their handles in the key-value store: process
+# start-up and device setup of the peers come first, so much longer than one exchange.
 KV_TIMEOUT_MS = 120_000
 # Kernels wait in nanoseconds held in 64 bits; a day keeps every conversion far from overflow.
 MAX_TIMEOUT_S = 86_400.0
@@ -60,7 +62,32 @@ def rank_groups(mesh, axis: str) -> np.ndarray:
   return devices.reshape(-1, devices.shape[-1])
 
 
-class CudaRanks:
+class RankStates:
+  """The native rank states of one communicator on this process's devices: a communicator id
+  unique in the process, the devices holding a rank, the error check and the teardown.
+
+  `take_error(comm_id, ordinal)` and `destroy(comm_id, ordinal)` are the native module's
+  bindings for the platform (cuda_* or host_*).
+  """
+
+  def __init__(self, take_error: Callable, destroy: Callable):
+    self.comm_id = next(_comm_ids)
+    self.ordinals: list[int] = []  # local devices holding a rank of this communicator
+    self._take_error = take_error
+    self._destroy = destroy
+
+  def check(self):
+    """The first recorded error of the local ranks as (code, stage, rank, detail), cleared."""
+    errors = [self._take_error(self.comm_id, o) for o in self.ordinals]
+    errors = [e for e in errors if e is not None]
+    return min(errors, key=lambda e: e[2]) if errors else None
+
+  def close(self) -> None:
+    while self.ordinals:
+      self._destroy(self.comm_id, self.ordinals.pop())
+
+
+class CudaRanks(RankStates):
   """Creates, connects, checks and frees the local rank states of one communicator.
 
   `create(comm_id, ordinal, rank)` allocates the state of one rank on local device `ordinal`
@@ -73,10 +100,9 @@ class CudaRanks:
       raise ValueError(f"{owner}: jax_moe._native was not built with CUDA "
                        f"({native.build_info()['native_error'] or 'CUDA off in this build'})")
     native.register_targets()
+    super().__init__(module.cuda_take_error, module.cuda_destroy_rank)
     self._native = module
     self._owner = owner
-    self.comm_id = next(_comm_ids)
-    self.ordinals: list[int] = []  # local devices holding a rank of this communicator
     try:
       self._connect(rank_groups(mesh, axis), create)
     except BaseException:
@@ -112,13 +138,3 @@ class CudaRanks:
     return [b"" if ordinal >= 0 else
             bytes.fromhex(client.blocking_key_value_get(key(rank), KV_TIMEOUT_MS))
             for rank, ordinal in enumerate(local)]
-
-  def check(self):
-    """The first recorded error of the local ranks as (code, stage, rank, detail), cleared."""
-    errors = [self._native.cuda_take_error(self.comm_id, o) for o in self.ordinals]
-    errors = [e for e in errors if e is not None]
-    return min(errors, key=lambda e: e[2]) if errors else None
-
-  def close(self) -> None:
-    while self.ordinals:
-      self._native.cuda_destroy_rank(self.comm_id, self.ordinals.pop())

@@ -16,7 +16,6 @@ whose immediates the receiver counts. That needs a build with libfabric.
 from __future__ import annotations
 
 import functools
-import itertools
 
 import jax
 import numpy as np
@@ -24,9 +23,7 @@ import numpy as np
 from jax_moe import native
 from jax_moe.backends import host_remote
 from jax_moe.backends.cuda import CudaBackend
-from jax_moe.backends.cuda_ranks import rank_groups
-
-_comm_ids = itertools.count(1)
+from jax_moe.backends.cuda_ranks import RankStates, rank_groups
 
 
 @functools.cache
@@ -46,7 +43,7 @@ def has_host() -> bool:
   return module is not None and hasattr(module, "host_create_rank") and _ordered_ffi() is not None
 
 
-class HostRanks:
+class HostRanks(RankStates):
   """The rank states of one host communicator on this process's CPU devices.
 
   The handlers' DeviceOrdinal of a CPU device is its id (process 1's first device is 2048,
@@ -66,8 +63,7 @@ class HostRanks:
                        f"with libfabric (build_info: {native.build_info()}); use backend='xla'")
     native.register_targets()
     self._native = native.load()
-    self.comm_id = next(_comm_ids)
-    self.ordinals: list[int] = []
+    super().__init__(self._native.host_take_error, self._native.host_destroy_rank)
     try:
       # local[g][p]: device id of rank p of group g in this process, -1 in another process.
       local = [[d.id if d.process_index == me else -1 for d in group]
@@ -88,16 +84,6 @@ class HostRanks:
     except BaseException:
       self.close()
       raise
-
-  def check(self):
-    """The first recorded error of the ranks as (code, stage, rank, detail), cleared."""
-    errors = [self._native.host_take_error(self.comm_id, o) for o in self.ordinals]
-    errors = [e for e in errors if e is not None]
-    return min(errors, key=lambda e: e[2]) if errors else None
-
-  def close(self) -> None:
-    while self.ordinals:
-      self._native.host_destroy_rank(self.comm_id, self.ordinals.pop())
 
 
 class HostBackend(CudaBackend):
