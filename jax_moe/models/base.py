@@ -4,17 +4,20 @@ Registry: `model_class(model_type)` maps config.json's `model_type` to a class, 
 its module lazily (`qwen3_moe` -> `jax_moe.models.qwen3_moe.Qwen3MoeForCausalLM`,
 `deepseek_v3` -> `jax_moe.models.deepseek_v3.DeepseekV3ForCausalLM`).
 
-A model class subclasses `CausalLM` (an `nnx.Module`) and implements:
+A model class subclasses `CausalLM` (an `nnx.Module`), which is built as
+`cls(config: dict, *, rules: ShardingRules, backend="auto", dtype=bf16, wire=None)` with
+`config` the parsed config.json; the class declares
 
-  __init__(self, config: dict, *, rules: ShardingRules, backend: str = "auto", dtype=bf16,
-           wire: str | None = None)
-      `config` is the parsed config.json (a plain dict). Builds every parameter abstract
-      (`sharding.param`: shape, dtype, NamedSharding; no memory) and calls
-      `super().__init__(rules, backend, dtype)` first, which sets `self.rules`, `self.dtype`
-      and `self.pool` (the CommunicatorPool that the model's RoutedExperts share; pass it as
-      `pool=self.pool`, with `wire=wire`). Keep only hashable, static Python values as
-      non-parameter attributes (parse the dict into a frozen dataclass; no dicts or lists
-      of numbers: nnx would make them pytree leaves).
+  config_class
+      `config_class.from_hf(config)` -> a frozen dataclass (hashable, static values only: no
+      dicts or lists of numbers, nnx would make them pytree leaves) with vocab_size,
+      hidden_size, rms_norm_eps, tie_word_embeddings and num_hidden_layers; kept as `self.cfg`.
+  layer_class
+      `layer_class(cfg, i, rules=, pool=, dtype=, wire=)`: decoder layer i, its parameters
+      abstract (`sharding.param`: shape, dtype, NamedSharding; no memory); its RoutedExperts
+      take `pool` (the model's CommunicatorPool) and `wire`.
+
+and implements:
   checkpoint_map(self) -> dict[tuple, source]
       every parameter path (as in `nnx.to_flat_state(nnx.state(model, nnx.Param))`) to a
       `checkpoint.Tensor` / `checkpoint.StackedExperts`; the loader checks that the map
@@ -28,13 +31,12 @@ A model class subclasses `CausalLM` (an `nnx.Module`) and implements:
   init_cache(self, batch, max_len) -> Cache
       zeros for `max_len` positions per sequence, `layers` a tuple with one pytree per
       layer (whatever that attention caches), batch dim sharded like activations.
-  vocab_size (property)
 
-The base class gives `prepare(batch, seq)` (build the communicators for a call of that
+The base class gives `vocab_size`, `prepare(batch, seq)` (build the communicators for a call of that
 shape, outside jit), `layout()` (a one-line description of the parallel plan), the random
 init scale `init_scale(path, shape)` (override for special tensors), and the decoder trunk
-shared by the models: `init_trunk` (creates `embed_tokens`, `layers`, `norm` and `lm_head`,
-None when the embeddings are tied), `token_positions`, `run_layers`, `final_logits` and
+shared by the models: the constructor creates `embed_tokens`, `layers`, `norm` and `lm_head`
+(None when the embeddings are tied); `token_positions`, `run_layers`, `final_logits` and
 `trunk_checkpoint_map` (the HF names of embed_tokens, norm and lm_head).
 """
 
@@ -86,10 +88,28 @@ class Cache:
 class CausalLM(nnx.Module):
   """Base of the model classes; see the module docstring for the contract."""
 
-  def __init__(self, rules: ShardingRules, backend: str = "auto", dtype=jnp.bfloat16):
+  config_class: type
+  layer_class: type
+
+  def __init__(self, config: dict, *, rules: ShardingRules, backend: str = "auto",
+               dtype=jnp.bfloat16, wire: str | None = None):
+    """The decoder trunk: embed_tokens [V, D], layers, final norm, lm_head (None if tied)."""
     self.rules = rules
     self.dtype = jnp.dtype(dtype)
     self.pool = CommunicatorPool(rules, backend)
+    cfg = self.cfg = self.config_class.from_hf(config)
+    kw = dict(rules=rules, dtype=self.dtype)
+    self.embed_tokens = layers.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+    self.layers = nnx.List([self.layer_class(cfg, i, pool=self.pool, wire=wire, **kw)
+                            for i in range(cfg.num_hidden_layers)])
+    self.norm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+    self.lm_head = (None if cfg.tie_word_embeddings else
+                    layers.Linear(cfg.hidden_size, cfg.vocab_size,
+                                  logical_axes=("embed", "vocab"), **kw))
+
+  @property
+  def vocab_size(self) -> int:
+    return self.cfg.vocab_size
 
   def checkpoint_map(self) -> dict:
     raise NotImplementedError
@@ -102,16 +122,6 @@ class CausalLM(nnx.Module):
     self.pool.prepare(batch * seq)
 
   # ---------------------------------------------------------------- decoder trunk
-  def init_trunk(self, vocab: int, hidden: int, rms_norm_eps: float, tied: bool,
-                 num_layers: int, make_layer) -> None:
-    """embed_tokens [V, D], layers (make_layer(i) for each), final norm, lm_head (or None)."""
-    kw = dict(rules=self.rules, dtype=self.dtype)
-    self.embed_tokens = layers.Embedding(vocab, hidden, **kw)
-    self.layers = nnx.List([make_layer(i) for i in range(num_layers)])
-    self.norm = layers.RMSNorm(hidden, rms_norm_eps, **kw)
-    self.lm_head = (None if tied else
-                    layers.Linear(hidden, vocab, logical_axes=("embed", "vocab"), **kw))
-
   @staticmethod
   def token_positions(input_ids_bs, cache: Cache | None):
     """(index, positions [B, S]): the new tokens sit at [index, index + S), index 0 without
@@ -145,7 +155,7 @@ class CausalLM(nnx.Module):
     return logits, Cache(layers=new_layers, index=cache.index + x_bsd.shape[1])
 
   def trunk_checkpoint_map(self) -> dict:
-    """Sources of the parameters init_trunk creates, under their Hugging Face names."""
+    """Sources of embed_tokens, norm and lm_head, under their Hugging Face names."""
     sources = {("embed_tokens", "table_vd"): Tensor("model.embed_tokens.weight"),
                ("norm", "weight"): Tensor("model.norm.weight")}
     if self.lm_head is not None:

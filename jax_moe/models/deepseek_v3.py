@@ -183,18 +183,8 @@ class DeepseekV3ForCausalLM(CausalLM):
   """DeepSeek-V3 causal LM; see base.CausalLM for the contract. The KV cache holds MLA's
   compressed latent and rotary key per layer (mla.MLACache)."""
 
-  def __init__(self, config: dict, *, rules: ShardingRules, backend: str = "auto",
-               dtype=jnp.bfloat16, wire: str | None = None):
-    super().__init__(rules, backend, dtype)
-    cfg = self.cfg = DeepseekV3Config.from_hf(config)
-    self.init_trunk(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, cfg.tie_word_embeddings,
-                    cfg.num_hidden_layers,
-                    lambda i: DecoderLayer(cfg, i, rules=rules, pool=self.pool, dtype=self.dtype,
-                                           wire=wire))
-
-  @property
-  def vocab_size(self) -> int:
-    return self.cfg.vocab_size
+  config_class = DeepseekV3Config
+  layer_class = DecoderLayer
 
   def __call__(self, input_ids_bs, *, cache: Cache | None = None):
     index, positions_bs = self.token_positions(input_ids_bs, cache)
