@@ -3,8 +3,9 @@
 # one-line summary per suite. Logs go to $OUT (the device tool's output folder) or ./gpu_logs.
 #   benchmarks/gpu_run.sh [STEP...]   (default: tests parity)
 # Build and topology always run; then each STEP in order:
-#   tests    tests/gpu/test_cuda_backend.py (XLA defaults)
-#   mp       tests/gpu/test_multiprocess.py (2 processes x 1 GPU, 4 processes on 2 GPUs)
+#   tests    tests/gpu/test_cuda_backend.py (XLA defaults; NVLink and forced-remote host proxies)
+#   mp       tests/gpu/test_multiprocess.py (2 processes x 1 GPU, 4 processes on 2 GPUs, through
+#            CUDA IPC; with libfabric also through the host proxies, and the host backend's jobs)
 #   parity   the shared parity, runtime-error and quantization tests (tests/*.py) on the GPUs
 #   quant    tests/test_quantization.py on the GPU (quantize_fp8 must match the spec there)
 #   cmdbuf   tests/gpu/test_cuda_backend.py with XLA command buffers off, then forced on for custom calls
@@ -26,8 +27,15 @@ started=$(date +%s)
   > "$logs/topo.txt" 2>&1
 head -4 "$logs/topo.txt"
 
+# libfabric: the GPU machines have its runtime but no headers; the run carries them in .fabric/
+# (../shared/tools/libfabric-dev-unpack .fabric) for the host proxies' TransferEngine.
+fabric=OFF
+if [ -f .fabric/lib/pkgconfig/libfabric.pc ]; then
+  fabric=ON
+  export PKG_CONFIG_PATH=$PWD/.fabric/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+fi
 if ! python3 -m pip install --no-build-isolation --no-deps -e . \
-    -Ccmake.define.JAX_MOE_ENABLE_CUDA=ON -Ccmake.define.JAX_MOE_ENABLE_LIBFABRIC=OFF \
+    -Ccmake.define.JAX_MOE_ENABLE_CUDA=ON -Ccmake.define.JAX_MOE_ENABLE_LIBFABRIC=$fabric \
     > "$logs/build.log" 2>&1; then
   tail -40 "$logs/build.log"
   echo "BUILD FAILED"
@@ -49,7 +57,7 @@ suite() {
 for step in "${steps[@]}"; do
   case $step in
     tests) suite gpu_default 150 tests/gpu/test_cuda_backend.py ;;
-    mp) suite multiprocess 300 -rs tests/gpu/test_multiprocess.py ;;
+    mp) suite multiprocess 420 -rs tests/gpu/test_multiprocess.py ;;
     parity)
       suite parity_cuda 240 tests/test_parity.py tests/test_runtime_errors.py -k cuda
       suite quantization_gpu 60 tests/test_quantization.py ;;

@@ -46,6 +46,7 @@ enum Stage : int32_t {
   kStageAllReduceScatter = 6,   // two-shot phase 1: waiting for the peers' segments
   kStageAllReduceGather = 7,    // two-shot phase 2: waiting for the peers' reduced segments
   kStageAllReduceNvls = 8,      // multimem all-reduce: waiting at one of its two barriers
+  kStageProxy = 9,              // a stream waiting for its host proxy to finish an exchange
 };
 
 // The first error a device records; lives in mapped pinned host memory so the host reads it
@@ -57,11 +58,21 @@ struct ErrorRecord {
   int32_t detail;
 };
 
+// A device's requests to its host proxy thread (ffi/cuda/proxy.h), in mapped pinned host
+// memory. The stream stores `seq << 8 | op` into `request` after the request's inputs are in
+// host memory; the proxy runs that exchange, stores `seq` into `done`, and the stream goes on.
+// One request at a time: the stream waits for each (so inputs and outputs can be reused).
+struct ProxyDoorbell {
+  uint64_t request;
+  uint64_t done;
+};
+
 // Per-device bookkeeping in device memory, touched only by this device's kernels.
 struct DeviceCounters {
   uint64_t dispatch_seq;     // sequence of the last dispatch_send (advanced by its last block)
   uint64_t combine_seq;      // sequence of the last combine_send
   uint64_t all_reduce_seq;   // sequence of the last all-reduce (advanced by its last block)
+  uint64_t proxy_seq;        // sequence of the last request rung on the proxy's doorbell
   uint32_t blocks_done[5];   // last-block-done counters, one per kernel that publishes (see kDone*)
   int32_t error_claimed;     // 0 until a kernel claims the error record (first error wins)
   int32_t aborted;           // set on a timeout so every other waiter gives up at once

@@ -27,6 +27,7 @@ class Stage(enum.IntEnum):
   ALL_REDUCE_SCATTER = 6    # two-shot: waiting for the peers' parts of this rank's segment
   ALL_REDUCE_GATHER = 7     # two-shot: waiting for the peers' reduced segments
   ALL_REDUCE_NVLS = 8       # multimem: waiting at one of its two barriers
+  PROXY = 9                 # a GPU stream waiting for its host proxy (backends/cuda_proxy.py)
 
 
 _HINTS = {

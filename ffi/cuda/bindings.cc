@@ -3,6 +3,7 @@
 // and its FFI target capsules. Declared in ffi/native_cuda.h; used by jax_moe/backends/cuda.py.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <string>
@@ -23,16 +24,20 @@ void bind_cuda(nb::module_& m) {
       "cuda_create_rank",
       [](int64_t comm_id, int ordinal, int rank, int world, int max_tokens, int hidden, int topk,
          int num_experts, int block_size, int expert_padding, int capacity, bool fp8,
-         bool reduce_expert, bool partial_bf16, double timeout_s) {
+         bool reduce_expert, bool partial_bf16, double timeout_s, bool proxy) {
         const MoeDims d = moe_dims(rank, world, max_tokens, hidden, topk, num_experts, block_size,
                                    expert_padding, capacity, fp8, reduce_expert, partial_bf16);
-        create_rank_state(comm_id, ordinal, d, timeout_s);
+        if (proxy) create_proxy_rank_state(comm_id, ordinal, d, timeout_s);
+        else create_rank_state(comm_id, ordinal, d, timeout_s);
       },
       nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("rank"), nb::arg("world"),
       nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("topk"), nb::arg("num_experts"),
       nb::arg("block_size"), nb::arg("expert_padding"), nb::arg("capacity"), nb::arg("fp8"),
       nb::arg("reduce_expert"), nb::arg("partial_bf16"), nb::arg("timeout_s"),
-      "Allocates the buffers of one rank of a CUDA communicator on local device `ordinal`.");
+      nb::arg("proxy") = false,
+      "Allocates the buffers of one rank of a CUDA communicator on local device `ordinal`; "
+      "with `proxy`, the pinned staging and doorbell of its host proxy instead (the host rank "
+      "state of the same ids then does the exchange).");
   m.def("cuda_create_all_reduce_rank", &create_all_reduce_state, nb::arg("comm_id"),
         nb::arg("ordinal"), nb::arg("rank"), nb::arg("world"), nb::arg("max_bytes"),
         nb::arg("timeout_s"),
@@ -63,6 +68,19 @@ void bind_cuda(nb::module_& m) {
       nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("local_ordinals"), nb::arg("ipc_handles"),
       "Maps every rank's buffer: local_ordinals[p] >= 0 for ranks of this process, else "
       "ipc_handles[p].");
+  m.def("cuda_start_proxy", &start_rank_proxy, nb::arg("comm_id"), nb::arg("ordinal"),
+        "Starts the proxy thread of a proxy rank; its host rank state must be connected.");
+  m.def(
+      "cuda_proxy_samples",
+      [](int64_t comm_id, int ordinal) {
+        std::vector<std::tuple<uint32_t, int64_t, int64_t>> out;
+        for (const ProxySample& p : take_proxy_samples(comm_id, ordinal))
+          out.emplace_back(p.op, p.seen_to_first_post_ns, p.serve_ns);
+        return out;
+      },
+      nb::arg("comm_id"), nb::arg("ordinal"),
+      "(op, doorbell seen -> first remote write posted ns or -1, doorbell seen -> done ns) of "
+      "each request the proxy served since the last call.");
   m.def(
       "cuda_take_error",
       [](int64_t comm_id, int ordinal) -> nb::object {

@@ -1,5 +1,5 @@
 // FFI handlers of dispatch: decode and check the buffers against the rank state, then call
-// the launchers of cuda/dispatch.cu. Argument order matches jax_moe/backends/cuda.py.
+// the launchers of cuda/dispatch.cu (or the rank's host proxy, ffi/cuda/proxy.h). Argument order matches jax_moe/backends/cuda.py.
 #include <cuda_runtime.h>
 
 #include "cuda/api.cuh"
@@ -17,9 +17,15 @@ ffi::Error send(const CallSite& site, CudaRankState& s, cudaStream_t stream, ffi
   auto input = check_dispatch_send(site, s.dims, x, x_scales, topk_ids, topk_weights,
                                    num_tokens, *send_dest);
   if (input.has_error()) return input.error();
+  const auto token_input = static_cast<TokenInput>(*input);
+  const auto* scales = static_cast<const float*>(x_scales.untyped_data());
+  if (s.proxy)
+    return launch_result(site, s.proxy->dispatch_send(
+                                   s.view(), token_input, x.untyped_data(), scales,
+                                   topk_ids.typed_data(), topk_weights.typed_data(),
+                                   num_tokens.typed_data(), send_dest->typed_data(), stream));
   return launch_result(
-      site, launch_dispatch_send(s.view(), static_cast<TokenInput>(*input), x.untyped_data(),
-                                 static_cast<const float*>(x_scales.untyped_data()),
+      site, launch_dispatch_send(s.view(), token_input, x.untyped_data(), scales,
                                  topk_ids.typed_data(), topk_weights.typed_data(),
                                  num_tokens.typed_data(), send_dest->typed_data(), stream));
 }
@@ -34,6 +40,12 @@ ffi::Error recv(const CallSite& site, CudaRankState& s, cudaStream_t stream,
                                      tokens_per_expert, slot_rows);
       err.failure())
     return err;
+  if (s.proxy)
+    return launch_result(site, s.proxy->dispatch_recv(
+                                   s.view(), x->untyped_data(), scales->typed_data(),
+                                   weights->typed_data(), group_sizes->typed_data(),
+                                   tokens_per_expert->typed_data(), slot_rows->typed_data(),
+                                   stream));
   return launch_result(
       site, launch_dispatch_recv(s.view(), x->untyped_data(), scales->typed_data(),
                                  weights->typed_data(), group_sizes->typed_data(),

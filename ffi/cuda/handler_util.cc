@@ -12,7 +12,7 @@ ffi::ErrorOr<CudaRankState*> begin_call(const CallSite& site, int64_t comm_id, i
         std::to_string(comm_id) + " on device " + std::to_string(ordinal) + "; " +
         site.python_fn + " must run on a device of the mesh given to " +
         "Communicator(backend='cuda'), which must not be closed"));
-  if (s->timed_out || s->pending_error() == kTimeout)
+  if (s->timed_out || s->pending_error() == kTimeout || (s->proxy && s->proxy->timed_out()))
     return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string("jax_moe CommError: ") + site.target +
                           ": a peer timed out earlier on this communicator, so the ranks' "

@@ -10,6 +10,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "ffi/host/state.h"
+
 namespace jax_moe {
 namespace {
 
@@ -65,6 +67,7 @@ void free_state(CudaRankState& s) {
   // kernel still uses the memory.
   cudaSetDevice(s.ordinal);
   cudaDeviceSynchronize();
+  s.proxy.reset();  // stops its thread before the host rank state it serves can go
   for (char* p : s.ipc_opened) cudaIpcCloseMemHandle(p);
   cudaFree(s.peers_device);
   cudaFree(s.slot_rank);
@@ -176,6 +179,36 @@ void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, 
   state->all_reduce = all_reduce_layout(world, size_t(max_bytes));
   const size_t bytes = state->all_reduce.total;
   create_state(std::move(state), bytes, [](CudaRankState&) {});
+}
+
+void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s) {
+  validate_dims(dims);
+  check_timeout(timeout_s);
+  // The host exchange of one request may wait twice (for the peers' acknowledgement, then
+  // for its own writes), each bounded by timeout_s; the stream waits longer than that, so a
+  // peer's timeout is reported by the host exchange, naming the peer, and only a stuck proxy
+  // by the stream's wait.
+  const uint64_t wait_ns = static_cast<uint64_t>((3 * timeout_s + 1) * 1e9);
+  create_state(new_state(comm_id, ordinal, dims, timeout_s), 8, [wait_ns](CudaRankState& s) {
+    s.proxy = std::make_unique<CudaProxy>(s.dims, wait_ns);
+  });
+}
+
+void start_rank_proxy(int64_t comm_id, int ordinal) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  CudaRankState& s = lookup(comm_id, ordinal);
+  if (!s.proxy)
+    throw std::invalid_argument("jax_moe cuda backend: not a proxy rank: " +
+                                key_text(comm_id, ordinal));
+  s.proxy->start(host::find_host_rank(comm_id, ordinal));
+  s.connected = true;
+}
+
+std::vector<ProxySample> take_proxy_samples(int64_t comm_id, int ordinal) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  CudaRankState& s = lookup(comm_id, ordinal);
+  if (!s.proxy) return {};
+  return s.proxy->take_samples();
 }
 
 std::string rank_ipc_handle(int64_t comm_id, int ordinal) {

@@ -6,11 +6,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "cuda/all_reduce_layout.cuh"
 #include "cuda/layout.cuh"
+#include "ffi/cuda/proxy.h"
 
 namespace jax_moe {
 
@@ -36,6 +38,9 @@ struct CudaRankState {
   int max_blocks = 1;
   bool connected = false;
   bool timed_out = false;  // a TIMEOUT was taken: the ranks' sequences no longer agree
+  // Set when the rank's exchanges go through the host (ffi/cuda/proxy.h); then `buffer`
+  // and the peer table are unused.
+  std::unique_ptr<CudaProxy> proxy;
 
   CommView view() const;
   // The pending error code (0 when none), read without synchronizing the device.
@@ -47,6 +52,13 @@ void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double
 // The state of one rank of an AllReduce of messages up to max_bytes.
 void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, int64_t max_bytes,
                              double timeout_s);
+// The state of a rank whose exchanges go through its host proxy (ffi/cuda/proxy.h).
+void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s);
+// Starts the proxy of a rank made by create_proxy_rank_state, serving with the host rank
+// state of the same (comm id, ordinal), which must be connected; the rank is then connected.
+void start_rank_proxy(int64_t comm_id, int ordinal);
+// The proxy's samples since the last call (ffi/cuda/proxy.h).
+std::vector<ProxySample> take_proxy_samples(int64_t comm_id, int ordinal);
 // CUDA IPC handle (64 bytes) of the rank's buffer, for peers in other processes.
 std::string rank_ipc_handle(int64_t comm_id, int ordinal);
 // Maps every rank's buffer: rank p is driven by this process on device local_ordinals[p]

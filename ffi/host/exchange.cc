@@ -37,6 +37,10 @@ void publish(HostRankState& s, size_t offset, uint64_t seq) {
 void post_remote(HostRankState& s, Signal signal, uint64_t seq,
                  const std::vector<std::vector<Span>>& spans_by_peer, int32_t stage) {
   if (s.remote == nullptr || s.timed_out) return;
+  if (s.first_post_ns == 0)
+    s.first_post_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
   int peer = -1;
   if (!s.remote->post(signal, seq, spans_by_peer, s.timeout_s, &peer)) give_up(s, stage, peer);
 }

@@ -1,7 +1,9 @@
-"""The `cuda` backend: dispatch/combine as XLA FFI custom calls over NVLink (one node).
+"""The `cuda` backend: dispatch/combine as XLA FFI custom calls over NVLink.
 
 Each rank owns one buffer (cuda/layout.cuh), allocated when the Communicator is built and
-mapped by every peer (jax_moe/backends/cuda_ranks.py). Source ranks write routes and token
+mapped by every peer (jax_moe/backends/cuda_ranks.py). Where the mesh spans hosts (or
+JAX_MOE_FORCE_REMOTE=1), the same calls go through host proxies instead
+(jax_moe/backends/cuda_proxy.py). Source ranks write routes and token
 rows straight into their destinations' buffers and raise a sequence flag; sequence numbers
 live in device memory and every wait has a timeout (JAX_MOE_TIMEOUT_S, default 10 s).
 
@@ -19,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe import native
-from jax_moe.backends.cuda_ranks import CudaRanks, timeout_s
+from jax_moe.backends import cuda_proxy
+from jax_moe.backends.cuda_ranks import CudaRanks, rank_groups, timeout_s
 from jax_moe.config import MoEConfig
 
 
@@ -55,7 +58,11 @@ class CudaBackend:
     self.comm_id = self._ranks.comm_id
 
   def _make_ranks(self, mesh, axis: str):
-    return CudaRanks(mesh, axis, self._create_rank, "Communicator(backend='cuda')")
+    owner = "Communicator(backend='cuda')"
+    groups = rank_groups(mesh, axis)
+    if cuda_proxy.use_proxy(groups, owner):
+      return cuda_proxy.ProxyRanks(groups, self._rank_sizes, owner)
+    return CudaRanks(mesh, axis, self._create_rank, owner)
 
   def _rank_sizes(self, rank: int) -> dict:
     """One rank's sizes, as the *_create_rank bindings take them."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import numpy as np
 
 from jax_moe import native
@@ -47,8 +46,7 @@ class HostRanks(RankStates):
   """The rank states of one host communicator on this process's CPU devices.
 
   The handlers' DeviceOrdinal of a CPU device is its id (process 1's first device is 2048,
-  not 0), so rank states are keyed by device id. Ranks of other processes are connected
-  through host_remote.
+  not 0), so rank states are keyed by device id.
   """
 
   def __init__(self, mesh, axis: str, create):
@@ -56,31 +54,12 @@ class HostRanks(RankStates):
     if not has_host():
       raise ValueError(f"{owner}: needs jax_moe._native (build_info: {native.build_info()}) "
                        "and a jax whose internals backends/ordered_ffi.py knows")
-    groups = rank_groups(mesh, axis)
-    me = jax.process_index()
-    if any(d.process_index != me for d in groups.flat) and not host_remote.available():
-      raise ValueError(f"{owner}: the mesh spans processes, which needs jax_moe._native built "
-                       f"with libfabric (build_info: {native.build_info()}); use backend='xla'")
     native.register_targets()
-    self._native = native.load()
-    super().__init__(self._native.host_take_error, self._native.host_destroy_rank)
+    module = native.load()
+    super().__init__(module.host_take_error, module.host_destroy_rank)
     try:
-      # local[g][p]: device id of rank p of group g in this process, -1 in another process.
-      local = [[d.id if d.process_index == me else -1 for d in group]
-               for group in groups]
-      for ordinals in local:
-        for rank, ordinal in enumerate(ordinals):
-          if ordinal >= 0:
-            create(self.comm_id, ordinal, rank)
-            self.ordinals.append(ordinal)
-      for index, ordinals in enumerate(local):
-        if all(o < 0 for o in ordinals):
-          continue
-        if any(o < 0 for o in ordinals):
-          host_remote.connect_remote(self.comm_id, index, ordinals, owner)
-        for ordinal in ordinals:
-          if ordinal >= 0:
-            self._native.host_connect_rank(self.comm_id, ordinal, ordinals)
+      host_remote.connect_host_ranks(self, rank_groups(mesh, axis), lambda d: d.id, create,
+                                     owner)
     except BaseException:
       self.close()
       raise

@@ -1,4 +1,6 @@
-"""Bootstrap of the host backend's ranks in other processes (ffi/host_fabric/).
+"""Connecting the host rank states of a communicator (ffi/host/): ranks of one process share
+memory; ranks in other processes are reached through the TransferEngine (ffi/host_fabric/).
+Used by the host backend and by the cuda backend's host proxies (backends/cuda_proxy.py).
 
 Each local rank of a group that spans processes opens a TransferEngine (its rank = its index
 on the axis), registers its buffer and a staging copy per remote rank, and publishes its
@@ -18,6 +20,8 @@ off) turns on the engines' test mode that applies completions late and in random
 from __future__ import annotations
 
 import os
+
+import jax
 
 from jax_moe import native
 from jax_moe.backends.cuda_ranks import KV_TIMEOUT_MS, distributed_client
@@ -43,6 +47,35 @@ def shuffle_seed() -> int:
   if not text.isdigit():
     raise ValueError(f"JAX_MOE_HOST_SHUFFLE_SEED must be a non-negative integer, got {text!r}")
   return int(text)
+
+
+def connect_host_ranks(states, groups, ordinal_of, create, owner: str) -> None:
+  """Creates and connects the host rank states of this process's devices in `groups`.
+
+  groups[g] lists the devices of group g in rank order; ordinal_of(device) is the key of a
+  local device's state; create(comm_id, ordinal, rank) makes one. Created ordinals are
+  appended to states.ordinals, so states.close() frees them if a later step fails.
+  """
+  me = jax.process_index()
+  # local[g][p]: key of rank p of group g in this process, -1 in another process.
+  local = [[ordinal_of(d) if d.process_index == me else -1 for d in group] for group in groups]
+  if any(o < 0 for ordinals in local for o in ordinals) and not available():
+    raise ValueError(f"{owner}: the mesh spans processes, which needs jax_moe._native built "
+                     f"with libfabric (build_info: {native.build_info()}); use backend='xla'")
+  module = native.load()
+  for ordinals in local:
+    for rank, ordinal in enumerate(ordinals):
+      if ordinal >= 0:
+        create(states.comm_id, ordinal, rank)
+        states.ordinals.append(ordinal)
+  for index, ordinals in enumerate(local):
+    if all(o < 0 for o in ordinals):
+      continue
+    if any(o < 0 for o in ordinals):
+      connect_remote(states.comm_id, index, ordinals, owner)
+    for ordinal in ordinals:
+      if ordinal >= 0:
+        module.host_connect_rank(states.comm_id, ordinal, ordinals)
 
 
 def connect_remote(comm_id: int, group_index: int, local: list[int], owner: str) -> None:

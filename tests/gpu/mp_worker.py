@@ -271,7 +271,7 @@ def run_job(args):
             f"({time.monotonic() - started:.1f} s)")
     barrier("finished")  # no peer still writes into this process's buffers
     runner.comm.close()
-    if setup.backend == "host":
+    if setup.backend == "host" or os.environ.get("JAX_MOE_FORCE_REMOTE") == "1":
         errors += close_leaves_no_threads(setup, mesh)
     return errors
 
@@ -282,15 +282,16 @@ def thread_count():
 
 def close_leaves_no_threads(setup, mesh):
     """A host communicator over processes starts threads (one TransferEngine progress thread
-    per local rank); close() must end every one. Measured after the job ran, so the threads
+    per local rank; a cuda one through host proxies also a proxy thread per GPU); close()
+    must end every one. Measured after the job ran, so the threads
     JAX starts lazily exist already."""
     before = thread_count()
-    comm = jm.Communicator(setup.config(), mesh, axis=AXIS, backend="host")
+    comm = jm.Communicator(setup.config(), mesh, axis=AXIS, backend=setup.backend)
     opened = thread_count()
     comm.close()
     closed = thread_count()
     if opened <= before or closed != before:
-        return [f"threads: {before} before a host communicator, {opened} with it, {closed} "
+        return [f"threads: {before} before a {setup.backend} communicator, {opened} with it, {closed} "
                 "after close() (must be more, then the same as before)"]
     return []
 

@@ -5,6 +5,9 @@
   to write shows up.
 - A rank that never reaches the exchange makes its peer time out: TIMEOUT is recorded, and
   the communicator refuses further calls instead of waiting again.
+Both run on the two paths of the backend: the kernels over NVLink, and every peer forced
+remote (JAX_MOE_FORCE_REMOTE=1: each GPU exchanges through its host proxy,
+backends/cuda_proxy.py; in one process the proxies share host memory).
 benchmarks/gpu_run.sh also runs this file with XLA command buffers off and forced on.
 """
 
@@ -16,9 +19,10 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe as jm
 import reference as ref
+from jax_moe.backends.cuda_proxy import ProxyRanks
 from checks import assert_combine_within, assert_dispatch_matches, check_combine
 from meshes import make_mesh
-from moe_runner import AXIS, Setup, describe, make_inputs, runner
+from moe_runner import AXIS, Runner, Setup, describe, make_inputs, runner
 from jax_moe.sharding import shard_map
 from routing_cases import routing
 
@@ -68,12 +72,25 @@ def combine_bound(setup, routing_, y_max, got, want):
     return bound + summands * np.float32(2.0**-24) * magnitude
 
 
+@pytest.fixture(params=("nvlink", "host-proxy"))
+def path(request, monkeypatch):
+    monkeypatch.setenv("JAX_MOE_FORCE_REMOTE", "1" if request.param == "host-proxy" else "0")
+    return request.param
+
+
+def assert_path(comm, path):
+    assert isinstance(comm._backend._ranks, ProxyRanks) == (path == "host-proxy")
+
+
 @pytest.mark.parametrize("case", CASES, ids=describe)
-def test_cuda_on_poisoned_memory_matches_reference_and_xla(case, rng):
+def test_cuda_on_poisoned_memory_matches_reference_and_xla(case, path, rng):
     """Dispatch bit for bit and combine against the numpy reference (tests/reference.py);
     combine of given rows also against the xla backend on the same GPUs."""
     cuda, xla = Setup("cuda", **case), Setup("xla", **case)
-    cuda_run, xla_run = runner(cuda), runner(xla)
+    # runner() caches one program per setup; the proxy path gets its own communicator.
+    cuda_run = runner(cuda) if path == "nvlink" else Runner(cuda)
+    xla_run = runner(xla)
+    assert_path(cuda_run.comm, path)
     for scenario in SCENARIOS:
         inputs = make_inputs(cuda, rng, routing(rng, cuda.geometry, scenario))
         expected = ref.dispatch_reference(cuda.geometry, inputs.routing, inputs.rows,
@@ -91,14 +108,17 @@ def test_cuda_on_poisoned_memory_matches_reference_and_xla(case, rng):
                               combine_bound(cuda, inputs.routing, given_max, got.out_given,
                                             want.out_given),
                               f"{scenario}: combine(random y) vs xla backend")
+    if path == "host-proxy":
+        cuda_run.comm.close()
 
 
-def test_missing_peer_times_out_and_the_communicator_refuses_further_calls(monkeypatch):
+def test_missing_peer_times_out_and_the_communicator_refuses_further_calls(path, monkeypatch):
     mesh = make_mesh(2)
     monkeypatch.setenv("JAX_MOE_TIMEOUT_S", "0.5")
     cfg = jm.MoEConfig(num_experts=4, experts_per_token=2, hidden=128, max_tokens=8,
                        dispatch_dtype=jnp.bfloat16)
     comm = jm.Communicator(cfg, mesh, axis=AXIS, backend="cuda")
+    assert_path(comm, path)
 
     def per_shard(x, topk_ids, topk_weights):
         # Only rank 0 dispatches; it waits for rank 1's flag until the timeout.

@@ -1,5 +1,6 @@
 """Ranks in separate processes: the cuda backend with one rank per process (buffers mapped by
-CUDA IPC, several ranks a GPU), and the CPU backends.
+CUDA IPC, several ranks a GPU; or every peer forced remote, through the host proxies and the
+TransferEngine, including a killed peer), and the CPU backends.
 
 Each job starts N copies of mp_worker.py on a fresh loopback coordinator port; process i is
 rank i and uses the CUDA device gpus[i]. Every worker runs each routing scenario of
@@ -103,6 +104,24 @@ HOST_JOBS = (
         timeout_s=60, env=TCP + (("JAX_MOE_TIMEOUT_S", "5"),), killed=1),
 )
 
+# The cuda backend with every peer forced remote (JAX_MOE_FORCE_REMOTE=1): each process's GPU
+# exchanges through its host proxy, whose host exchange reaches the other processes through
+# the TransferEngine (shm or tcp;ofi_rxm); staging in pinned host memory.
+FORCE_REMOTE = (("JAX_MOE_FORCE_REMOTE", "1"),)
+PROXY_JOBS = (
+    Job("ep2-1perGPU-forced-remote-shm-fp8-source-padding16", (0, 1),
+        ("--dispatch", "fp8", "--reduce", "source", "--expert-padding", "16"),
+        timeout_s=120, env=SHM + FORCE_REMOTE),
+    Job("ep2-1perGPU-forced-remote-tcp-bf16-expert-split", (0, 1),
+        ("--dispatch", "bf16", "--reduce", "expert", "--split"), timeout_s=120,
+        env=TCP + FORCE_REMOTE),
+    Job("ep4-2perGPU-forced-remote-shm-fp8prequantized-expert-bf16partials", (0, 0, 1, 1),
+        ("--dispatch", "fp8-prequantized", "--reduce", "expert", "--partial-dtype", "bfloat16"),
+        timeout_s=150, env=SHM + FORCE_REMOTE),
+    Job("ep2-1perGPU-forced-remote-tcp-peer-killed", (0, 1), ("--kill-process", "1"),
+        timeout_s=60, env=TCP + FORCE_REMOTE + (("JAX_MOE_TIMEOUT_S", "5"),), killed=1),
+)
+
 
 def cuda_device_count():
     try:
@@ -190,6 +209,17 @@ def run_job(job, folder):
 def test_ranks_in_separate_processes_match_reference(job, tmp_path):
     if job.only_with and os.environ.get(job.only_with) != "1":
         pytest.skip(f"runs only with {job.only_with}=1")
+    needed, present = max(job.gpus) + 1, cuda_device_count()
+    if present < needed:
+        pytest.skip(f"needs {needed} CUDA devices, {present} present")
+    run_job(job, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("job", PROXY_JOBS, ids=lambda job: job.name)
+def test_cuda_ranks_through_host_proxies_match_reference(job, tmp_path):
+    if not host_remote.available():
+        pytest.skip("the host proxies reach other processes only in builds with libfabric")
     needed, present = max(job.gpus) + 1, cuda_device_count()
     if present < needed:
         pytest.skip(f"needs {needed} CUDA devices, {present} present")

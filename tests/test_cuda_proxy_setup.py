@@ -1,0 +1,64 @@
+"""When the cuda backend goes through its host proxies (backends/cuda_proxy.py): the setting
+and the host-name check, without a GPU. The path itself runs on GPUs in
+gpu/test_cuda_backend.py (one process) and gpu/test_multiprocess.py (across processes)."""
+
+import types
+
+import numpy as np
+import pytest
+
+from jax_moe.backends import cuda_proxy
+
+
+@pytest.mark.parametrize("value, expected", [(None, False), ("0", False), ("1", True)])
+def test_force_remote_reads_the_environment(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("JAX_MOE_FORCE_REMOTE", raising=False)
+    else:
+        monkeypatch.setenv("JAX_MOE_FORCE_REMOTE", value)
+    assert cuda_proxy.force_remote() is expected
+
+
+@pytest.mark.parametrize("bad", ["yes", "2", "", " 1"])
+def test_force_remote_refuses_other_values(monkeypatch, bad):
+    monkeypatch.setenv("JAX_MOE_FORCE_REMOTE", bad)
+    with pytest.raises(ValueError, match="JAX_MOE_FORCE_REMOTE must be 0 or 1"):
+        cuda_proxy.force_remote()
+
+
+def fake_devices(processes):
+    return np.array([[types.SimpleNamespace(process_index=p) for p in processes]])
+
+
+class FakeStore:
+    """The key-value store of jax.distributed, with the other processes' names in it."""
+
+    def __init__(self, names):
+        self.values = {}
+        self.names = names
+
+    def key_value_set(self, key, value):
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        assert timeout_ms > 0
+        if key in self.values:
+            return self.values[key]
+        return self.names[int(key.rsplit("/", 1)[1])]
+
+
+def test_one_process_never_asks_the_store(monkeypatch):
+    def no_store(owner):
+        raise AssertionError("a mesh of one process needs no key-value store")
+
+    monkeypatch.setattr(cuda_proxy, "distributed_client", no_store)
+    assert not cuda_proxy.spans_hosts(fake_devices([0, 0]), "test")
+
+
+@pytest.mark.parametrize("names, expected", [({1: "this-host"}, False), ({1: "other"}, True)])
+def test_processes_on_other_hosts_are_found_by_name(monkeypatch, names, expected):
+    store = FakeStore(names)
+    monkeypatch.setattr(cuda_proxy, "distributed_client", lambda owner: store)
+    monkeypatch.setattr(cuda_proxy.socket, "gethostname", lambda: "this-host")
+    assert cuda_proxy.spans_hosts(fake_devices([0, 1]), "test") is expected
+    assert "this-host" in store.values.values()  # this process published its name
