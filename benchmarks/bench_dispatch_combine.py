@@ -86,7 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--routing", choices=ROUTINGS, default="uniform")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--backends", type=_csv(), default=None,
-                 help="jax_moe backends, or 'none' (default: jm.available_backends())")
+                 help="jax_moe backends, or 'none' (default: jm.available_backends()); "
+                      "'cuda-proxy' is the cuda backend with every peer forced remote "
+                      "(through its host proxies)")
   p.add_argument("--ops", type=_csv(methods.JAX_MOE_OPS), default=list(methods.JAX_MOE_OPS),
                  help="jax_moe operations to time")
   p.add_argument("--peers", type=_csv(methods.PEER_NAMES + methods.PROBE_NAMES),
@@ -168,7 +170,7 @@ def jax_moe_records(ctx, mesh, device_inputs, backend, args) -> list[dict]:
                         "reason": f"Communicator: {type(e).__name__}: {e}"})
         continue
       try:
-        (method,) = methods.jax_moe_methods(ctx, comm, (op,))
+        (method,) = methods.jax_moe_methods(ctx, comm, (op,), name=backend)
         records.append(run_method(method, mesh, device_inputs, args))
       finally:
         comm.close()
@@ -268,9 +270,11 @@ def main(argv=None) -> int:
   mesh = ep_mesh(args.ep)
   available = jm.available_backends()
   backends = available if args.backends is None else args.backends
+  # Settings of an available backend (methods.FORCED_REMOTE) only when asked for.
+  allowed = available + [n for n, b in methods.FORCED_REMOTE.items() if b in available]
   for b in backends:
-    if b not in available:
-      print(f"backend {b!r} is not available here (available: {available})", file=sys.stderr)
+    if b not in allowed:
+      print(f"backend {b!r} is not available here (available: {allowed})", file=sys.stderr)
       return 2
   slug = device_slug(mesh)
   tables = []

@@ -8,6 +8,7 @@ to other ranks per iteration (mean over ranks) under a stated model.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable
 
 import jax
@@ -25,6 +26,10 @@ JAX_MOE_OPS = ("fused", "dispatch", "combine", "split")
 PEER_NAMES = ("all_gather", "all_to_all", "ragged_all_to_all")
 PROBE_NAMES = ("psum", "p2p")
 DTYPES = {"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16}
+# Benchmark names of jax_moe backends built with a setting: "cuda-proxy" is the cuda backend
+# with every peer forced remote (JAX_MOE_FORCE_REMOTE=1 while the Communicator is built), so
+# each GPU exchanges through its host proxy (jax_moe/backends/cuda_proxy.py).
+FORCED_REMOTE = {"cuda-proxy": "cuda"}
 PARTIAL_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 
@@ -100,11 +105,23 @@ def make_communicator(ctx: Context, backend: str, reduce: str, partial_dtype: st
                      block_size=s.block_size, combine_dtype=jnp.bfloat16,
                      combine_reduce=reduce, partial_dtype=PARTIAL_DTYPES[partial_dtype],
                      expert_padding=expert_padding)
-  return jm.Communicator(cfg, ctx.mesh, axis=AXIS, backend=backend)
+  if backend not in FORCED_REMOTE:
+    return jm.Communicator(cfg, ctx.mesh, axis=AXIS, backend=backend)
+  before = os.environ.get("JAX_MOE_FORCE_REMOTE")
+  os.environ["JAX_MOE_FORCE_REMOTE"] = "1"
+  try:
+    return jm.Communicator(cfg, ctx.mesh, axis=AXIS, backend=FORCED_REMOTE[backend])
+  finally:
+    if before is None:
+      del os.environ["JAX_MOE_FORCE_REMOTE"]
+    else:
+      os.environ["JAX_MOE_FORCE_REMOTE"] = before
 
 
-def jax_moe_methods(ctx: Context, comm: jm.Communicator, ops: tuple[str, ...]) -> list[Method]:
-  """The methods `ops` on `comm`, in JAX_MOE_OPS order."""
+def jax_moe_methods(ctx: Context, comm: jm.Communicator, ops: tuple[str, ...],
+                    name: str | None = None) -> list[Method]:
+  """The methods `ops` on `comm`, in JAX_MOE_OPS order, labelled `name` (default: the
+  communicator's backend)."""
   cfg = comm.cfg
   reduce = cfg.combine_reduce
   partial = "f32" if cfg.partial_dtype == np.dtype(jnp.float32) else "bf16"
@@ -159,7 +176,7 @@ def jax_moe_methods(ctx: Context, comm: jm.Communicator, ops: tuple[str, ...]) -
   def combine_final(state):
     return comm.combine(*state)
 
-  name, dtype = comm.backend_name, ctx.dtype_name
+  name, dtype = name or comm.backend_name, ctx.dtype_name
   common = dict(family="jax_moe", name=name, dispatch_dtype=dtype, after_run=comm.check)
   builders = {
       "fused": lambda: Method(
