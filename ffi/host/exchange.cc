@@ -134,10 +134,11 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
   if (given != ntok) s.record_error(kBadNumTokens, kStageDispatchSend, given);
   for (char* peer : s.peers) reinterpret_cast<int32_t*>(peer + lay.recv_num_tokens)[me] = ntok;
 
-  std::vector<char> quantized(input == RowInput::kBf16Quantize ? token_bytes(d) : 0);
+  // Routes first, and posted to the remote ranks before any row is packed: they are small,
+  // and a receiver needs them to know which rows to expect (the proxy-overhead measurement
+  // of ffi/cuda/proxy.h ends at this first post).
   std::vector<uint64_t> dest_masks(ntok, 0);  // bit p: token t has a slot on rank p
   for (int t = 0; t < ntok; ++t) {
-    uint64_t& dest_mask = dest_masks[t];
     for (int k = 0; k < K; ++k) {
       int id = topk_ids[t * K + k];
       if (id < -1 || id >= d.num_experts) {
@@ -146,7 +147,7 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
       }
       const int dest = id >= 0 ? id / d.local_experts : -1;
       send_dest[t * K + k] = dest;
-      if (dest >= 0) dest_mask |= 1ull << dest;
+      if (dest >= 0) dest_masks[t] |= 1ull << dest;
       // Every rank gets the route: each counts the slots of its own experts.
       const size_t slot = (size_t(me) * T + t) * K + k;
       for (char* peer : s.peers) {
@@ -154,6 +155,12 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
         reinterpret_cast<float*>(peer + lay.recv_weights)[slot] = topk_weights[t * K + k];
       }
     }
+  }
+  post_remote(s, Signal::kDispatch, seq, dispatch_route_spans(d, lay, ntok), kStageDispatchSend);
+
+  std::vector<char> quantized(input == RowInput::kBf16Quantize ? token_bytes(d) : 0);
+  for (int t = 0; t < ntok; ++t) {
+    const uint64_t dest_mask = dest_masks[t];
     if (dest_mask == 0) continue;
     // The token crosses to each rank holding one of its slots once.
     const char* row;
@@ -178,7 +185,6 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
     }
   }
   publish(s, lay.dispatch_flag, seq);
-  post_remote(s, Signal::kDispatch, seq, dispatch_route_spans(d, lay, ntok), kStageDispatchSend);
   post_remote(s, Signal::kDispatchRows, seq, dispatch_row_spans(s, lay, dest_masks),
               kStageDispatchSend);
   s.dispatch_seq = seq;
