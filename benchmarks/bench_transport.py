@@ -310,7 +310,7 @@ def main() -> None:
       "benchmark": "transport",
       "config": {"sizes": sizes, "iters": args.iters, "window": args.window, "reps": args.reps},
       "environment": {
-          "git_commit": _git("rev-parse", "HEAD") or args.git_commit or "unknown",
+          "git_commit": args.git_commit or _git("rev-parse", "HEAD") or "unknown",
           "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
           "host": platform.node(), "cpus": mp.cpu_count(), "python": platform.python_version(),
           "load_average_1_5_15": os.getloadavg(),

@@ -49,12 +49,13 @@ def _git(*args: str) -> str | None:
 def provenance(mesh: Mesh, git_commit: str | None = None) -> dict:
   """What a result file needs to be reproduced: code version, software, hardware.
 
-  `git_commit` names the code where the checkout has no .git (a copied working tree).
+  `git_commit` names the code of a copied working tree (the GPU machine's copy); given, it
+  wins over whatever .git the copy may carry, and git_dirty is then unknown (None).
   """
   device = mesh.devices.flat[0]
-  status = _git("status", "--porcelain", "--untracked-files=no")
+  status = None if git_commit else _git("status", "--porcelain", "--untracked-files=no")
   info = {
-      "git_commit": _git("rev-parse", "HEAD") or git_commit or "unknown (not a git checkout)",
+      "git_commit": git_commit or _git("rev-parse", "HEAD") or "unknown (not a git checkout)",
       "git_dirty": None if status is None else bool(status),
       "jax_version": jax.__version__,
       "jaxlib_version": _jaxlib_version(),
