@@ -196,7 +196,7 @@ def table(rows: list[dict], failures: list[str]) -> str:
   f = lambda v, spec=".0f": "-" if v is None else format(v, spec)  # noqa: E731
   header = (f"{'provider':12} {'phase':8} {'dtype':5} {'reduce':6} {'MB 0>1':>7} {'writes':>6} "
             f"{'fused us':>9} {'disp us':>8} {'comb us':>8} {'raw same':>9} {'raw one':>8} "
-            f"{'xla us':>8} {'fused/same':>10} {'fused/one':>9}")
+            f"{'xla us':>8} {'fused/same':>10} {'(d+c)/same':>10} {'fused/one':>9}")
   lines = [header, "-" * len(header)]
   for r in rows:
     lines.append(
@@ -205,6 +205,7 @@ def table(rows: list[dict], failures: list[str]) -> str:
         f"{f(r['host_us'].get('dispatch')):>8} {f(r['host_us'].get('combine')):>8} "
         f"{f(r['raw_us']['same_writes']):>9} {f(r['raw_us']['one_write']):>8} "
         f"{f(r['xla_us']):>8} {f(r['ratio_fused_vs_same_writes'], '.1f'):>10} "
+        f"{f(r['ratio_halves_vs_same_writes'], '.1f'):>10} "
         f"{f(r['ratio_fused_vs_one_write'], '.1f'):>9}"
         + ("" if r["correct"] else "  (host result WRONG)"))
   lines += [f"failed: {reason[:300]}" for reason in failures]
