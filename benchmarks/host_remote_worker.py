@@ -103,10 +103,9 @@ def _run(config: dict, process_id: int) -> list[dict]:
     """Every process's shards of `tree`, as numpy arrays of the global shape."""
     return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
 
-  def per_iteration(run, what: str) -> dict:
+  def per_iteration(run, what: str, short: int, long_: int) -> dict:
     """Median and spread of (t(n_long) - t(n_short)) / (n_long - n_short) in microseconds;
     every run starts at a barrier so neither process waits for the other inside it."""
-    short, long_ = config["short_iters"], config["iters"]
     samples = []
     for rep in range(config["reps"]):
       meeting.barrier(f"{what}_{rep}_short")
@@ -115,6 +114,9 @@ def _run(config: dict, process_id: int) -> list[dict]:
       t_long = run(long_)
       samples.append((t_long - t_short) / (long_ - short) * 1e6)
     return {**summarize(samples), "n_short": short, "n_long": long_, "reps": config["reps"]}
+
+  def raw_timer(run, what: str) -> dict:
+    return per_iteration(run, what, config["raw_short_iters"], config["raw_iters"])
 
   def time_method(method, comm, tokens_in, ids, weights, what: str) -> dict:
     """Checks `method`'s single exchange against the reference, then times it."""
@@ -132,7 +134,8 @@ def _run(config: dict, process_id: int) -> list[dict]:
     if not record["correctness"]["passed"]:
       record.update(status="failed", reason="differs from the reference; not timed")
       return record
-    record["time"] = per_iteration(lambda n: wall_time(call, n)[0], what)
+    record["time"] = per_iteration(lambda n: wall_time(call, n)[0], what, config["short_iters"],
+                                   config["iters"])
     comm.check()
     record["status"] = "ok"
     return record
@@ -178,8 +181,8 @@ def _run(config: dict, process_id: int) -> list[dict]:
         finally:
           comm.close()
 
-        found["raw"] = _time_raw(engine, meeting, process_id, peer, directions, per_iteration,
-                                 key, raw_exchange)
+        found["raw"] = _time_raw(engine, meeting, process_id, peer, directions, raw_timer, key,
+                                 raw_exchange)
         for mode, record in found["raw"].items():
           _log(process_id, key, f"raw {mode}", record)
 
