@@ -29,6 +29,7 @@ Writes <out>/host_remote_<host>.json and .png and prints a table.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -44,6 +45,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `jax_moe
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import report  # noqa: E402
+from benchmarks.arguments import csv_list, phases  # noqa: E402
 from benchmarks.environment import _git  # noqa: E402
 
 WORKER = Path(__file__).with_name("host_remote_worker.py")
@@ -53,42 +55,21 @@ OPS = ("fused", "dispatch", "combine")
 TARGET_RATIO = 2.0
 
 
-def _csv(choices=None, convert=str):
-  def parse(text: str):
-    items = [convert(v.strip()) for v in text.split(",") if v.strip()]
-    bad = [v for v in items if choices is not None and v not in choices]
-    if bad or not items:
-      raise argparse.ArgumentTypeError(f"{bad or 'nothing'} given; choose from {list(choices)}")
-    return items
-  return parse
-
-
-def _phases(text: str) -> list[tuple[str, int]]:
-  phases = []
-  for item in text.split(","):
-    name, sep, tokens = item.partition("=")
-    if not sep or not name.strip().isidentifier() or not tokens.strip().isdigit() \
-        or int(tokens) < 1:
-      raise argparse.ArgumentTypeError(f"phase {item!r} must look like NAME=TOKENS_PER_RANK")
-    phases.append((name.strip(), int(tokens)))
-  return phases
-
-
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--providers", type=_csv(PROVIDERS), default=["shm"],
+  p.add_argument("--providers", type=csv_list(PROVIDERS), default=["shm"],
                  help="comma-separated, from: " + ", ".join(PROVIDERS))
   p.add_argument("--hidden", type=int, default=7168)
   p.add_argument("--experts", type=int, default=256)
   p.add_argument("--topk", type=int, default=8)
   p.add_argument("--block-size", type=int, default=128, help="fp8 scale block along hidden")
-  p.add_argument("--phases", type=_phases, default=_phases("decode=128"),
+  p.add_argument("--phases", type=phases, default=phases("decode=128"),
                  help="NAME=TOKENS_PER_RANK,... (default decode=128)")
-  p.add_argument("--dispatch-dtypes", type=_csv(("fp8", "bf16")), default=["fp8", "bf16"])
-  p.add_argument("--reduce", type=_csv(("source", "expert")), default=["source", "expert"])
+  p.add_argument("--dispatch-dtypes", type=csv_list(("fp8", "bf16")), default=["fp8", "bf16"])
+  p.add_argument("--reduce", type=csv_list(("source", "expert")), default=["source", "expert"])
   p.add_argument("--partial-dtype", choices=("f32", "bf16"), default="f32")
-  p.add_argument("--ops", type=_csv(OPS), default=list(OPS), help="host backend ops to time")
+  p.add_argument("--ops", type=csv_list(OPS), default=list(OPS), help="host backend ops to time")
   p.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--devices-per-process", type=int, default=1,
@@ -118,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--reps must be >= 1, got {args.reps}")
   if args.devices_per_process < 1:
     p.error(f"--devices-per-process must be >= 1, got {args.devices_per_process}")
+  for name in ("providers", "dispatch_dtypes", "reduce", "ops"):
+    if not getattr(args, name):
+      p.error(f"--{name.replace('_', '-')} must name at least one")
   if "fused" not in args.ops:
     p.error("--ops must include fused (it is the op checked against the reference)")
   return args
@@ -159,6 +143,15 @@ def run_provider(provider: str, config: dict, args, folder: Path) -> list[list[d
                for i, (code, f) in enumerate(zip(codes, found))]
     raise RuntimeError(f"{provider}: " + "; ".join(reasons))
   return [f["records"] for f in found]
+
+
+def _cpu_model() -> str | None:
+  try:
+    text = Path("/proc/cpuinfo").read_text()
+  except OSError:
+    return None
+  return next((line.split(":", 1)[1].strip() for line in text.splitlines()
+               if line.startswith("model name")), None)
 
 
 def _median(record: dict | None) -> float | None:
@@ -294,8 +287,10 @@ def main(argv=None) -> int:
       "environment": {
           "git_commit": _git("rev-parse", "HEAD") or args.git_commit or "unknown",
           "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-          "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-          "load_average_1_5_15": os.getloadavg(), "jax_moe_build_info": build_info()},
+          "host": platform.node(), "cpu_model": _cpu_model(), "cpus": os.cpu_count(),
+          "python": platform.python_version(), "jax_version": importlib.metadata.version("jax"),
+          "platform": "cpu", "load_average_1_5_15": os.getloadavg(),
+          "jax_moe_build_info": build_info()},
       "timing": "per-iteration time = (t(n_long) - t(n_short)) / (n_long - n_short), wall time "
                 "of a jitted fori_loop (host, xla) or a Python loop of engine calls (raw); each "
                 "number is the slower of the two processes' medians",
