@@ -31,7 +31,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 import jax_moe as jm  # noqa: E402
 from benchmarks import methods, plot, report  # noqa: E402
-from benchmarks.arguments import csv_list, phases  # noqa: E402
+from benchmarks.arguments import csv_list as _csv  # noqa: E402
+from benchmarks.arguments import phases as _phases  # noqa: E402
 from benchmarks.environment import SHARDED, device_slug, ep_mesh, provenance  # noqa: E402
 from benchmarks.problem import ROUTINGS, Shape, make_inputs, traffic  # noqa: E402
 from benchmarks.timing import loop_program, time_per_iteration, wall_time  # noqa: E402
@@ -51,10 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--experts", type=int, default=256)
   p.add_argument("--topk", type=int, default=8)
   p.add_argument("--block-size", type=int, default=128, help="fp8 scale block along hidden")
-  p.add_argument("--phases", type=phases, default=phases("decode=128,prefill=4096"),
+  p.add_argument("--phases", type=_phases, default=_phases("decode=128,prefill=4096"),
                  help="NAME=TOKENS_PER_RANK,... (default decode=128,prefill=4096)")
-  p.add_argument("--dispatch-dtypes", type=csv_list(methods.DTYPES), default=["fp8", "bf16"])
-  p.add_argument("--reduce", type=csv_list(("source", "expert")), default=["source", "expert"],
+  p.add_argument("--dispatch-dtypes", type=_csv(methods.DTYPES), default=["fp8", "bf16"])
+  p.add_argument("--reduce", type=_csv(("source", "expert")), default=["source", "expert"],
                  help="combine_reduce modes of the jax_moe backends")
   p.add_argument("--fp8-input", choices=("quantized", "bf16"), default="quantized",
                  help="fp8 dispatch input: (q, scales) quantized once on the host (as DeepEP's "
@@ -64,15 +65,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--expert-padding", type=int, default=1)
   p.add_argument("--routing", choices=ROUTINGS, default="uniform")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--backends", type=csv_list(), default=None,
+  p.add_argument("--backends", type=_csv(), default=None,
                  help="jax_moe backends, or 'none' (default: jm.available_backends())")
-  p.add_argument("--ops", type=csv_list(methods.JAX_MOE_OPS), default=list(methods.JAX_MOE_OPS),
+  p.add_argument("--ops", type=_csv(methods.JAX_MOE_OPS), default=list(methods.JAX_MOE_OPS),
                  help="jax_moe operations to time")
-  p.add_argument("--peers", type=csv_list(methods.PEER_NAMES + methods.PROBE_NAMES),
+  p.add_argument("--peers", type=_csv(methods.PEER_NAMES + methods.PROBE_NAMES),
                  default=list(methods.PEER_NAMES + methods.PROBE_NAMES),
                  help="JAX peers and probes, or 'none' (default: all; those that cannot run "
                       "here are reported as skipped)")
-  p.add_argument("--p2p-mib", type=csv_list(convert=float), default=[256.0, 1.0],
+  p.add_argument("--p2p-mib", type=_csv(convert=float), default=[256.0, 1.0],
                  help="ppermute sizes per rank in MiB for the P2P bandwidth probe")
   p.add_argument("--ep", type=int, default=None, help="use the first N devices (default all)")
   p.add_argument("--iters", type=int, default=20, help="iterations of the long timed loop")
