@@ -31,6 +31,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 import jax_moe as jm  # noqa: E402
 from benchmarks import methods, plot, report  # noqa: E402
+from benchmarks.arguments import csv_list as _csv  # noqa: E402
+from benchmarks.arguments import phases as _phases  # noqa: E402
 from benchmarks.environment import SHARDED, device_slug, ep_mesh, provenance  # noqa: E402
 from benchmarks.problem import ROUTINGS, Shape, make_inputs, traffic  # noqa: E402
 from benchmarks.timing import loop_program, time_per_iteration, wall_time  # noqa: E402
@@ -41,28 +43,6 @@ TOLERANCE = (
     "roundings of partial or final sums: 1 for jax_moe source and expert/f32, 2 for expert/bf16, "
     "1 for all_to_all peers, R+1 for all_gather+psum_scatter (bf16 reduce-scatter); "
     "psum probe n = R; dispatch alone: the docs/semantics.md layout bit for bit")
-
-
-def _csv(choices=None, convert=str):
-  def parse(text: str):
-    if text.strip() == "none":
-      return []
-    items = [convert(v.strip()) for v in text.split(",") if v.strip()]
-    bad = [v for v in items if choices is not None and v not in choices]
-    if bad:
-      raise argparse.ArgumentTypeError(f"{bad} not in {list(choices)}")
-    return items
-  return parse
-
-
-def _phases(text: str) -> list[tuple[str, int]]:
-  phases = []
-  for item in text.split(","):
-    name, sep, tokens = item.partition("=")
-    if not sep or not name.strip().isidentifier() or not tokens.strip().isdigit():
-      raise argparse.ArgumentTypeError(f"phase {item!r} must look like NAME=TOKENS_PER_RANK")
-    phases.append((name.strip(), int(tokens)))
-  return phases
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+"""Host backend dispatch+combine across two processes against the raw TransferEngine.
+
+Two processes on one host (jax.distributed on 127.0.0.1), one CPU device each by default, so
+every peer rank is remote and reached through the TransferEngine, per provider (shm default,
+tcp;ofi_rxm on 127.0.0.1). Per phase, dispatch dtype and combine mode, in the same processes
+(benchmarks/host_remote_worker.py):
+- the host backend's fused dispatch + identity expert + combine is checked against the dense
+  reference (benchmarks/reference.py), then timed: fused, and dispatch and combine alone
+  (benchmarks/methods.py bodies in a jitted fori_loop, per-iteration time from two loop
+  lengths, median and p10/p90 over --reps);
+- the bytes and writes that cross the process boundary for that routing are derived from it
+  (benchmarks/remote_traffic.py) and a bare TransferEngine between the same two processes,
+  same provider, moves them (benchmarks/raw_exchange.py): `same_writes` (the host protocol's
+  writes and acknowledgements, no computation) and `one_write` (one write per phase);
+- the xla backend's fused exchange (all_to_all between the processes), for context.
+The target of issue 5 is host fused <= 2 x raw same_writes. Each number is the slower of the
+two processes' medians.
+
+Writes <out>/host_remote_<host>.json and .png and prints a table.
+
+  python benchmarks/bench_host_remote.py                          # decode defaults, minutes
+  python benchmarks/bench_host_remote.py --providers 'shm,tcp;ofi_rxm' \\
+    --phases decode=128,prefill=512                               # README's run
+  python benchmarks/bench_host_remote.py --hidden 256 --experts 16 --topk 4 --phases tiny=8 \\
+    --iters 3 --short-iters 1 --reps 1                            # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `jax_moe` importable
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import report  # noqa: E402
+from benchmarks.arguments import csv_list, phases  # noqa: E402
+from benchmarks.environment import _git  # noqa: E402
+
+WORKER = Path(__file__).with_name("host_remote_worker.py")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROVIDERS = {"shm": "", "tcp;ofi_rxm": "127.0.0.1"}  # provider -> JAX_MOE_HOST_NODE
+OPS = ("fused", "dispatch", "combine")
+TARGET_RATIO = 2.0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--providers", type=csv_list(PROVIDERS), default=["shm"],
+                 help="comma-separated, from: " + ", ".join(PROVIDERS))
+  p.add_argument("--hidden", type=int, default=7168)
+  p.add_argument("--experts", type=int, default=256)
+  p.add_argument("--topk", type=int, default=8)
+  p.add_argument("--block-size", type=int, default=128, help="fp8 scale block along hidden")
+  p.add_argument("--phases", type=phases, default=phases("decode=128"),
+                 help="NAME=TOKENS_PER_RANK,... (default decode=128)")
+  p.add_argument("--dispatch-dtypes", type=csv_list(("fp8", "bf16")), default=["fp8", "bf16"])
+  p.add_argument("--reduce", type=csv_list(("source", "expert")), default=["source", "expert"])
+  p.add_argument("--partial-dtype", choices=("f32", "bf16"), default="f32")
+  p.add_argument("--ops", type=csv_list(OPS), default=list(OPS), help="host backend ops to time")
+  p.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--devices-per-process", type=int, default=1,
+                 help="CPU devices (ranks) per process; ranks of one process share memory")
+  p.add_argument("--iters", type=int, default=10, help="iterations of the long timed loop")
+  p.add_argument("--short-iters", type=int, default=2, help="iterations of the short loop")
+  p.add_argument("--reps", type=int, default=5, help="(short, long) pairs per method")
+  p.add_argument("--raw-iters", type=int, default=40,
+                 help="exchanges of the raw engine's long loop (it is cheap and noisy)")
+  p.add_argument("--raw-short-iters", type=int, default=8)
+  p.add_argument("--no-xla", action="store_true", help="skip the xla backend")
+  p.add_argument("--no-pin", action="store_true",
+                 help="let the two processes share every core (default: one core each)")
+  p.add_argument("--timeout-s", type=float, default=30.0,
+                 help="JAX_MOE_TIMEOUT_S of the workers: bound of every wait")
+  p.add_argument("--worker-timeout-s", type=float, default=1200.0,
+                 help="the workers of one provider are killed after this long")
+  p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "host-remote")
+  p.add_argument("--git-commit", default=None, help="names the code in a tree without .git")
+  args = p.parse_args(argv)
+  if not 0 <= args.short_iters < args.iters:
+    p.error(f"--short-iters must be in [0, --iters), got {args.short_iters} and {args.iters}")
+  if not 0 <= args.raw_short_iters < args.raw_iters:
+    p.error(f"--raw-short-iters must be in [0, --raw-iters), got {args.raw_short_iters} and "
+            f"{args.raw_iters}")
+  if args.reps < 1:
+    p.error(f"--reps must be >= 1, got {args.reps}")
+  if args.devices_per_process < 1:
+    p.error(f"--devices-per-process must be >= 1, got {args.devices_per_process}")
+  for name in ("providers", "dispatch_dtypes", "reduce", "ops"):
+    if not getattr(args, name):
+      p.error(f"--{name.replace('_', '-')} must name at least one")
+  if "fused" not in args.ops:
+    p.error("--ops must include fused (it is the op checked against the reference)")
+  return args
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_provider(provider: str, config: dict, args, folder: Path) -> list[list[dict]]:
+  """Starts the two workers for `provider`; returns each one's records or raises with the
+  workers' errors."""
+  config_path = folder / "config.json"
+  config_path.write_text(json.dumps(config))
+  port = _free_port()
+  env = dict(os.environ, JAX_MOE_HOST_PROVIDER=provider, JAX_MOE_HOST_NODE=PROVIDERS[provider],
+             JAX_MOE_TIMEOUT_S=str(args.timeout_s), PYTHONUNBUFFERED="1")
+  results = [folder / f"result{i}.json" for i in range(2)]
+  workers = [subprocess.Popen([sys.executable, str(WORKER), str(config_path), str(i), str(port),
+                               str(results[i])], cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL)
+             for i in range(2)]
+  deadline = time.monotonic() + args.worker_timeout_s
+  codes = []
+  for worker in workers:
+    try:
+      codes.append(worker.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+    except subprocess.TimeoutExpired:
+      codes.append(None)
+  for worker, code in zip(workers, codes):
+    if code is None:
+      worker.kill()
+      worker.wait()
+  found = [json.loads(r.read_text()) if r.exists() else None for r in results]
+  if codes != [0, 0] or any(f is None or not f["ok"] for f in found):
+    reasons = [f"worker {i}: exit code {code}, "
+               + ("no result file" if f is None else str(f["error"]).splitlines()[0][:300])
+               for i, (code, f) in enumerate(zip(codes, found))]
+    raise RuntimeError(f"{provider}: " + "; ".join(reasons))
+  return [f["records"] for f in found]
+
+
+def _cpu_model() -> str | None:
+  try:
+    text = Path("/proc/cpuinfo").read_text()
+  except OSError:
+    return None
+  return next((line.split(":", 1)[1].strip() for line in text.splitlines()
+               if line.startswith("model name")), None)
+
+
+def _median(record: dict | None) -> float | None:
+  if not record or record.get("status") != "ok":
+    return None
+  return record["time"]["median_us"]
+
+
+def _slower(records: list[dict | None]) -> float | None:
+  """The slower process's median (None when either failed)."""
+  medians = [_median(r) for r in records]
+  return None if any(m is None for m in medians) else max(medians)
+
+
+def summarize_rows(provider: str, per_process: list[list[dict]]) -> list[dict]:
+  rows = []
+  for mine, theirs in zip(*per_process):
+    both = (mine, theirs)
+    host = {op: _slower([p["host"].get(op) for p in both]) for op in mine["host"]}
+    raw = {mode: _slower([p["raw"][mode] for p in both]) for mode in mine["raw"]}
+    xla = _slower([p.get("xla") for p in both]) if "xla" in mine else None
+    ratio = lambda a, b: None if a is None or not b else a / b  # noqa: E731
+    target = ratio(host["fused"], raw.get("same_writes"))
+    rows.append({
+        "provider": provider, "phase": mine["phase"], "tokens_per_rank": mine["tokens_per_rank"],
+        "dispatch_dtype": mine["dispatch_dtype"], "reduce": mine["reduce"],
+        "bytes_0to1": mine["traffic"][0]["bytes"], "bytes_1to0": mine["traffic"][1]["bytes"],
+        "writes_0to1": mine["traffic"][0]["writes"], "writes_1to0": mine["traffic"][1]["writes"],
+        "host_us": host, "raw_us": raw, "xla_us": xla,
+        "correct": all(p["host"]["fused"].get("correctness", {}).get("passed") for p in both),
+        "ratio_fused_vs_same_writes": target,
+        "ratio_fused_vs_one_write": ratio(host["fused"], raw.get("one_write")),
+        "meets_2x": None if target is None else target <= TARGET_RATIO,
+    })
+  return rows
+
+
+def table(rows: list[dict], failures: list[str]) -> str:
+  f = lambda v, spec=".0f": "-" if v is None else format(v, spec)  # noqa: E731
+  header = (f"{'provider':12} {'phase':8} {'dtype':5} {'reduce':6} {'MB 0>1':>7} {'writes':>6} "
+            f"{'fused us':>9} {'disp us':>8} {'comb us':>8} {'raw same':>9} {'raw one':>8} "
+            f"{'xla us':>8} {'fused/same':>10} {'fused/one':>9}")
+  lines = [header, "-" * len(header)]
+  for r in rows:
+    lines.append(
+        f"{r['provider']:12} {r['phase']:8} {r['dispatch_dtype']:5} {r['reduce']:6} "
+        f"{r['bytes_0to1'] / 1e6:>7.2f} {r['writes_0to1']:>6} {f(r['host_us']['fused']):>9} "
+        f"{f(r['host_us'].get('dispatch')):>8} {f(r['host_us'].get('combine')):>8} "
+        f"{f(r['raw_us']['same_writes']):>9} {f(r['raw_us']['one_write']):>8} "
+        f"{f(r['xla_us']):>8} {f(r['ratio_fused_vs_same_writes'], '.1f'):>10} "
+        f"{f(r['ratio_fused_vs_one_write'], '.1f'):>9}"
+        + ("" if r["correct"] else "  (host result WRONG)"))
+  lines += [f"failed: {reason[:300]}" for reason in failures]
+  return "\n".join(lines)
+
+
+def plot(payload: dict, path: Path) -> bool:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = payload["rows"]
+  if not rows:
+    return False
+  series = [("host fused", lambda r: r["host_us"]["fused"], "tab:blue"),
+            ("raw same writes", lambda r: r["raw_us"]["same_writes"], "tab:green"),
+            ("raw one write", lambda r: r["raw_us"]["one_write"], "tab:olive"),
+            ("xla fused", lambda r: r["xla_us"], "tab:orange")]
+  labels = [f"{r['provider']} {r['phase']} {r['dispatch_dtype']} {r['reduce']}" for r in rows]
+  fig, ax = plt.subplots(figsize=(11, 1.0 + 0.9 * len(rows)))
+  height = 0.8 / len(series)
+  for j, (name, value, color) in enumerate(series):
+    ys = [i + (j - len(series) / 2) * height for i in range(len(rows))]
+    ax.barh(ys, [value(r) or 0 for r in rows], height=height, color=color, label=name)
+  for i, r in enumerate(rows):
+    same = r["raw_us"]["same_writes"]
+    if same:
+      ax.plot([TARGET_RATIO * same] * 2, [i - 0.45, i + 0.45], color="red", lw=1.2,
+              label="2 x raw same writes (target)" if i == 0 else None)
+  ax.set_yticks(range(len(rows)), labels, fontsize=8)
+  ax.invert_yaxis()
+  ax.set_xscale("log")
+  ax.set_xlabel("microseconds per exchange (median; slower of the two processes)")
+  ax.grid(True, axis="x", which="both", alpha=0.3)
+  ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+  env, cfg = payload["environment"], payload["config"]
+  fig.suptitle(f"host backend across 2 processes vs raw TransferEngine; hidden {cfg['hidden']}, "
+               f"top-{cfg['topk']} of {cfg['experts']}, {cfg['devices_per_process']} device(s)/"
+               f"process; {env['host']} ({env['cpus']} CPUs), commit {env['git_commit'][:10]}",
+               fontsize=9)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  from jax_moe import build_info
+  from jax_moe.backends import host_remote
+  if not host_remote.available():
+    print(f"the native module cannot reach other processes (no libfabric): {build_info()}",
+          file=sys.stderr)
+    return 2
+
+  config = {"hidden": args.hidden, "experts": args.experts, "topk": args.topk,
+            "block_size": args.block_size, "phases": args.phases,
+            "dispatch_dtypes": args.dispatch_dtypes, "reduce": args.reduce,
+            "partial_dtype": args.partial_dtype, "ops": args.ops, "routing": args.routing,
+            "seed": args.seed, "devices_per_process": args.devices_per_process,
+            "iters": args.iters, "short_iters": args.short_iters, "reps": args.reps,
+            "raw_iters": args.raw_iters, "raw_short_iters": args.raw_short_iters,
+            "xla": not args.no_xla, "pin": not args.no_pin}
+  rows, failures, per_provider = [], [], {}
+  for provider in args.providers:
+    print(f"== {provider}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench_host_remote_") as folder:
+      try:
+        per_process = run_provider(provider, config, args, Path(folder))
+      except RuntimeError as e:
+        failures.append(str(e))
+        continue
+    per_provider[provider] = per_process
+    rows += summarize_rows(provider, per_process)
+
+  host = re.sub(r"[^a-z0-9]+", "-", platform.node().lower()).strip("-") or "host"
+  payload = {
+      "benchmark": "host_remote",
+      "config": {**config, "providers": args.providers, "timeout_s": args.timeout_s,
+                 "argv": sys.argv[1:] if argv is None else list(argv)},
+      "environment": {
+          "git_commit": _git("rev-parse", "HEAD") or args.git_commit or "unknown",
+          "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+          "host": platform.node(), "cpu_model": _cpu_model(), "cpus": os.cpu_count(),
+          "python": platform.python_version(), "jax_version": importlib.metadata.version("jax"),
+          "platform": "cpu", "load_average_1_5_15": os.getloadavg(),
+          "jax_moe_build_info": build_info()},
+      "timing": "per-iteration time = (t(n_long) - t(n_short)) / (n_long - n_short), wall time "
+                "of a jitted fori_loop (host, xla) or a Python loop of engine calls (raw); each "
+                "number is the slower of the two processes' medians",
+      "target": f"host fused <= {TARGET_RATIO} x raw same_writes",
+      "rows": rows,
+      "failures": failures,
+      "per_process": per_provider,
+  }
+  stem = args.out / f"host_remote_{host}"
+  report.write_json(stem.with_suffix(".json"), payload)
+  plotted = plot(payload, stem.with_suffix(".png"))
+  print(table(rows, failures))
+  print(f"wrote {stem}.json" + (" and .png" if plotted else ""))
+  return 0 if not failures and all(r["correct"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,110 @@
+"""benchmarks/bench_host_remote.py: its write accounting on routings worked out by hand, and the
+script end to end on tiny sizes (two processes over shm; skipped without libfabric). No timing
+is asserted."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `benchmarks` is a folder of the checkout, not an installed package
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import raw_exchange, remote_traffic  # noqa: E402
+from jax_moe.backends import host_remote  # noqa: E402
+
+SCRIPT = REPO / "benchmarks" / "bench_host_remote.py"
+H = 256  # hidden; 4 experts over 2 ranks: rank 0 holds experts 0-1, rank 1 experts 2-3
+# [rank 0's 4 tokens, then rank 1's], K = 2; -1 is an unrouted slot
+IDS = np.array([[0, 2], [1, 0], [3, 2], [2, -1],     # rank 0: tokens 0, 2, 3 reach rank 1
+                [0, 1], [2, 3], [1, 2], [-1, 0]],    # rank 1: slots on rank 0 at j = 0,1,4,7
+               np.int32)
+
+
+def directions(reduce, fp8=False, partial_bytes=4, ids=IDS, ranks=2, per_process=1):
+    return remote_traffic.directions(ids, ranks, per_process, experts=4, hidden=H, fp8=fp8,
+                                     block_size=128, reduce=reduce, partial_bytes=partial_bytes)
+
+
+def test_runs_are_maximal_runs_of_true():
+    runs = remote_traffic.runs
+    assert runs(np.array([1, 1, 0, 1, 0, 0, 1, 1, 1], bool)).tolist() == [2, 1, 3]
+    assert runs(np.zeros(5, bool)).tolist() == []
+    assert runs(np.ones(3, bool)).tolist() == [3]
+
+
+@pytest.mark.parametrize("fp8, row", [(False, 2 * H), (True, H + 4 * 2 + 8)])  # fp8: 16-aligned
+def test_dispatch_writes_follow_the_runs_of_tokens_per_remote_rank(fp8, row):
+    to_1, to_0 = directions("source", fp8=fp8)
+    assert (to_1.source, to_1.dest, to_0.source, to_0.dest) == (0, 1, 1, 0)
+    assert to_1.dispatch.routes == [4, 4 * 4 * 2, 4 * 4 * 2]
+    assert to_1.dispatch.payload == [row, 2 * row]        # tokens 0 | 2, 3
+    assert to_0.dispatch.payload == [row, 2 * row]        # tokens 0 | 2, 3 (1 stays home)
+    assert to_1.dispatch.acks == to_1.combine.acks == 1
+
+
+def test_combine_writes_follow_slots_in_source_mode_and_tokens_in_expert_mode():
+    to_1, to_0 = directions("source")
+    # Rank 0 returns rank 1's slots j = 0,1 | 4 | 7 as bf16 rows.
+    assert to_1.combine.payload == [2 * 2 * H, 2 * H, 2 * H]
+    # Rank 1 returns rank 0's slots j = 1 | 4, 5, 6.
+    assert to_0.combine.payload == [2 * H, 3 * 2 * H]
+    to_1, to_0 = directions("expert", partial_bytes=2)
+    assert to_1.combine.payload == [2 * H, 2 * 2 * H]     # rank 1's tokens 0 | 2, 3
+    assert to_0.combine.payload == [2 * H, 2 * 2 * H]     # rank 0's tokens 0 | 2, 3
+    assert to_0.bytes == sum(to_0.dispatch.routes) + 3 * 2 * H + 3 * 2 * H
+    assert to_0.writes == 3 + 2 + 1 + 2 + 1  # routes, rows, ack, partials, ack
+
+
+def test_a_rank_pair_with_nothing_to_send_still_costs_one_empty_write():
+    ids = np.array([[0, 1]] * 2 + [[2, 3]] * 2, np.int32)  # every slot stays home
+    to_1, _ = directions("source", ids=ids, ranks=2)
+    assert to_1.dispatch.payload == [0] and to_1.combine.payload == [0]
+    assert to_1.bytes == 4 + 2 * 4 * 2 * 2
+
+
+def test_ranks_of_one_process_exchange_nothing_across_the_boundary():
+    # 4 ranks, 2 per process, experts 0..3 (one each); rank r's tokens all go to expert r ^ 1,
+    # which lives in the same process: only routes and empty writes cross.
+    ids = np.repeat(np.array([1, 0, 3, 2], np.int32), 2)[:, None]
+    to_1, to_0 = directions("source", ids=ids, ranks=4, per_process=2)
+    assert to_1.dispatch.routes == [4, 4 * 2, 4 * 2] * 4    # 2 sources x 2 remote ranks
+    assert to_1.dispatch.payload == [0] * 4 and to_1.combine.payload == [0] * 4
+    assert to_1.dispatch.acks == to_1.combine.acks == 4
+
+
+def test_raw_exchange_refuses_an_unknown_mode():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        raw_exchange.RawExchange(None, 1, b"", None, *directions("source")).run("fast", 1)
+
+
+@pytest.mark.skipif(not host_remote.available(), reason="needs the native module with libfabric")
+def test_bench_host_remote_runs_checks_and_writes_results(tmp_path):
+    args = ["--hidden", "256", "--experts", "16", "--topk", "4", "--phases", "tiny=8",
+            "--dispatch-dtypes", "fp8", "--iters", "3", "--short-iters", "1", "--reps", "1",
+            "--out", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # conftest's 8 devices
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (result,) = tmp_path.glob("host_remote_*.json")
+    assert result.with_suffix(".png").stat().st_size > 0
+    payload = json.loads(result.read_text())
+    assert payload["failures"] == []
+    rows = payload["rows"]
+    assert [(r["provider"], r["dispatch_dtype"], r["reduce"]) for r in rows] == [
+        ("shm", "fp8", "source"), ("shm", "fp8", "expert")]
+    for row in rows:
+        assert row["correct"]
+        assert row["bytes_0to1"] > 0 and row["writes_0to1"] >= 3 + 1 + 1 + 1 + 1
+        for value in (*row["host_us"].values(), *row["raw_us"].values(), row["xla_us"]):
+            assert value is not None
+    for process in payload["per_process"]["shm"]:
+        for record in process:
+            assert record["host"]["fused"]["correctness"]["passed"]
+    assert "fused/same" in done.stdout
