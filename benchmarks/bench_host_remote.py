@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Host backend dispatch+combine across two processes against the raw TransferEngine.
+"""Host backend (or the cuda backend's host proxies) across two processes against the raw
+TransferEngine.
 
 Two processes on one host (jax.distributed on 127.0.0.1), one CPU device each by default, so
 every peer rank is remote and reached through the TransferEngine, per provider (shm default,
@@ -16,6 +17,14 @@ tcp;ofi_rxm on 127.0.0.1). Per phase, dispatch dtype and combine mode, in the sa
 - the xla backend's fused exchange (all_to_all between the processes), for context.
 The target of issue 5 is host fused <= 2 x raw same_writes. Each number is the slower of the
 two processes' medians.
+
+`--platform cuda` (a machine with 2 GPUs): process i drives GPU i and the timed backend is
+`cuda-proxy`, the cuda backend with every peer forced remote (JAX_MOE_FORCE_REMOTE=1): each
+GPU exchanges through its host proxy, whose host exchange writes to the other process through
+the TransferEngine. The proxies' own timings come back too: per request kind, the median
+time from the doorbell seen to the first remote write posted (issue 5's proxy-overhead
+target: <= 5 us) and to the request done. For context the same run times the cuda backend
+over CUDA IPC (NVLink between the processes) and the xla backend.
 
 Writes <out>/host_remote_<host>.json and .png and prints a table.
 
@@ -52,6 +61,7 @@ WORKER = Path(__file__).with_name("host_remote_worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROVIDERS = {"shm": "", "tcp;ofi_rxm": "127.0.0.1"}  # provider -> JAX_MOE_HOST_NODE
 OPS = ("fused", "dispatch", "combine")
+BACKENDS = {"cpu": "host", "cuda": "cuda-proxy"}  # the timed backend of each --platform
 TARGET_RATIO = 2.0
 
 
@@ -60,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--providers", type=csv_list(PROVIDERS), default=["shm"],
                  help="comma-separated, from: " + ", ".join(PROVIDERS))
+  p.add_argument("--platform", choices=tuple(BACKENDS), default="cpu",
+                 help="cpu: the host backend on CPU devices; cuda: the cuda backend through "
+                      "its host proxies, GPU i in process i")
   p.add_argument("--hidden", type=int, default=7168)
   p.add_argument("--experts", type=int, default=256)
   p.add_argument("--topk", type=int, default=8)
@@ -81,8 +94,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="exchanges of the raw engine's long loop (it is cheap and noisy)")
   p.add_argument("--raw-short-iters", type=int, default=8)
   p.add_argument("--no-xla", action="store_true", help="skip the xla backend")
+  p.add_argument("--no-nvlink", action="store_true",
+                 help="--platform cuda: skip the cuda backend over CUDA IPC")
   p.add_argument("--no-pin", action="store_true",
-                 help="let the two processes share every core (default: one core each)")
+                 help="--platform cpu: let the two processes share every core (default: one "
+                      "core each; on GPUs they always share, the proxy threads need cores)")
   p.add_argument("--timeout-s", type=float, default=30.0,
                  help="JAX_MOE_TIMEOUT_S of the workers: bound of every wait")
   p.add_argument("--worker-timeout-s", type=float, default=1200.0,
@@ -97,8 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"{args.raw_iters}")
   if args.reps < 1:
     p.error(f"--reps must be >= 1, got {args.reps}")
-  if args.devices_per_process < 1:
-    p.error(f"--devices-per-process must be >= 1, got {args.devices_per_process}")
+  if args.devices_per_process < 1 or (args.platform == "cuda" and args.devices_per_process != 1):
+    p.error(f"--devices-per-process must be >= 1 (1 with --platform cuda), got "
+            f"{args.devices_per_process}")
   for name in ("providers", "dispatch_dtypes", "reduce", "ops"):
     if not getattr(args, name):
       p.error(f"--{name.replace('_', '-')} must name at least one")
@@ -170,9 +187,10 @@ def summarize_rows(provider: str, per_process: list[list[dict]]) -> list[dict]:
   rows = []
   for mine, theirs in zip(*per_process):
     both = (mine, theirs)
-    host = {op: _slower([p["host"].get(op) for p in both]) for op in mine["host"]}
+    host = {op: _slower([p["jax_moe"].get(op) for p in both]) for op in mine["jax_moe"]}
     raw = {mode: _slower([p["raw"][mode] for p in both]) for mode in mine["raw"]}
     xla = _slower([p.get("xla") for p in both]) if "xla" in mine else None
+    nvlink = _slower([p.get("cuda") for p in both]) if "cuda" in mine else None
     ratio = lambda a, b: None if a is None or not b else a / b  # noqa: E731
     target = ratio(host["fused"], raw.get("same_writes"))
     rows.append({
@@ -180,8 +198,9 @@ def summarize_rows(provider: str, per_process: list[list[dict]]) -> list[dict]:
         "dispatch_dtype": mine["dispatch_dtype"], "reduce": mine["reduce"],
         "bytes_0to1": mine["traffic"][0]["bytes"], "bytes_1to0": mine["traffic"][1]["bytes"],
         "writes_0to1": mine["traffic"][0]["writes"], "writes_1to0": mine["traffic"][1]["writes"],
-        "host_us": host, "raw_us": raw, "xla_us": xla,
-        "correct": all(p["host"]["fused"].get("correctness", {}).get("passed") for p in both),
+        "backend_us": host, "raw_us": raw, "xla_us": xla, "nvlink_us": nvlink,
+        "proxy": [p.get("proxy") for p in both],
+        "correct": all(p["jax_moe"]["fused"].get("correctness", {}).get("passed") for p in both),
         "ratio_fused_vs_same_writes": target,
         "ratio_fused_vs_one_write": ratio(host["fused"], raw.get("one_write")),
         "meets_2x": None if target is None else target <= TARGET_RATIO,
@@ -189,21 +208,28 @@ def summarize_rows(provider: str, per_process: list[list[dict]]) -> list[dict]:
   return rows
 
 
+def _first_post_us(row: dict) -> float | None:
+  """The proxies' dispatch_send median, doorbell seen -> first remote write (slower process)."""
+  values = [(p or {}).get("dispatch_send", {}).get("first_post_us") for p in row["proxy"]]
+  return None if any(v is None for v in values) else max(values)
+
+
 def table(rows: list[dict], failures: list[str]) -> str:
   f = lambda v, spec=".0f": "-" if v is None else format(v, spec)  # noqa: E731
   header = (f"{'provider':12} {'phase':8} {'dtype':5} {'reduce':6} {'MB 0>1':>7} {'writes':>6} "
             f"{'fused us':>9} {'disp us':>8} {'comb us':>8} {'raw same':>9} {'raw one':>8} "
-            f"{'xla us':>8} {'fused/same':>10} {'fused/one':>9}")
+            f"{'xla us':>8} {'fused/same':>10} {'fused/one':>9} {'nvlink us':>9} {'1st post us':>11}")
   lines = [header, "-" * len(header)]
   for r in rows:
     lines.append(
         f"{r['provider']:12} {r['phase']:8} {r['dispatch_dtype']:5} {r['reduce']:6} "
-        f"{r['bytes_0to1'] / 1e6:>7.2f} {r['writes_0to1']:>6} {f(r['host_us']['fused']):>9} "
-        f"{f(r['host_us'].get('dispatch')):>8} {f(r['host_us'].get('combine')):>8} "
+        f"{r['bytes_0to1'] / 1e6:>7.2f} {r['writes_0to1']:>6} {f(r['backend_us']['fused']):>9} "
+        f"{f(r['backend_us'].get('dispatch')):>8} {f(r['backend_us'].get('combine')):>8} "
         f"{f(r['raw_us']['same_writes']):>9} {f(r['raw_us']['one_write']):>8} "
         f"{f(r['xla_us']):>8} {f(r['ratio_fused_vs_same_writes'], '.1f'):>10} "
-        f"{f(r['ratio_fused_vs_one_write'], '.1f'):>9}"
-        + ("" if r["correct"] else "  (host result WRONG)"))
+        f"{f(r['ratio_fused_vs_one_write'], '.1f'):>9} {f(r['nvlink_us']):>9} "
+        f"{f(_first_post_us(r), '.1f'):>11}"
+        + ("" if r["correct"] else "  (result WRONG)"))
   lines += [f"failed: {reason[:300]}" for reason in failures]
   return "\n".join(lines)
 
@@ -217,10 +243,12 @@ def plot(payload: dict, path: Path) -> bool:
   rows = payload["rows"]
   if not rows:
     return False
-  series = [("host fused", lambda r: r["host_us"]["fused"], "tab:blue"),
+  series = [(f"{payload['config']['backend']} fused", lambda r: r["backend_us"]["fused"], "tab:blue"),
             ("raw same writes", lambda r: r["raw_us"]["same_writes"], "tab:green"),
             ("raw one write", lambda r: r["raw_us"]["one_write"], "tab:olive"),
-            ("xla fused", lambda r: r["xla_us"], "tab:orange")]
+            ("xla fused", lambda r: r["xla_us"], "tab:orange"),
+            ("cuda fused (NVLink)", lambda r: r["nvlink_us"], "tab:purple")]
+  series = [s for s in series if any(s[1](r) is not None for r in rows)]
   labels = [f"{r['provider']} {r['phase']} {r['dispatch_dtype']} {r['reduce']}" for r in rows]
   fig, ax = plt.subplots(figsize=(11, 1.0 + 0.9 * len(rows)))
   height = 0.8 / len(series)
@@ -239,7 +267,7 @@ def plot(payload: dict, path: Path) -> bool:
   ax.grid(True, axis="x", which="both", alpha=0.3)
   ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   env, cfg = payload["environment"], payload["config"]
-  fig.suptitle(f"host backend across 2 processes vs raw TransferEngine; hidden {cfg['hidden']}, "
+  fig.suptitle(f"{cfg['backend']} across 2 processes vs raw TransferEngine; hidden {cfg['hidden']}, "
                f"top-{cfg['topk']} of {cfg['experts']}, {cfg['devices_per_process']} device(s)/"
                f"process; {env['host']} ({env['cpus']} CPUs), commit {env['git_commit'][:10]}",
                fontsize=9)
@@ -266,7 +294,10 @@ def main(argv=None) -> int:
             "seed": args.seed, "devices_per_process": args.devices_per_process,
             "iters": args.iters, "short_iters": args.short_iters, "reps": args.reps,
             "raw_iters": args.raw_iters, "raw_short_iters": args.raw_short_iters,
-            "xla": not args.no_xla, "pin": not args.no_pin}
+            "platform": args.platform, "backend": BACKENDS[args.platform],
+            "others": (["cuda"] if args.platform == "cuda" and not args.no_nvlink else [])
+            + ([] if args.no_xla else ["xla"]),
+            "pin": args.platform == "cpu" and not args.no_pin}
   rows, failures, per_provider = [], [], {}
   for provider in args.providers:
     print(f"== {provider}", flush=True)
@@ -285,21 +316,24 @@ def main(argv=None) -> int:
       "config": {**config, "providers": args.providers, "timeout_s": args.timeout_s,
                  "argv": sys.argv[1:] if argv is None else list(argv)},
       "environment": {
-          "git_commit": _git("rev-parse", "HEAD") or args.git_commit or "unknown",
-          "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+          "git_commit": args.git_commit or _git("rev-parse", "HEAD") or "unknown",
+          "git_dirty": None if args.git_commit else
+          bool(_git("status", "--porcelain", "--untracked-files=no")),
           "host": platform.node(), "cpu_model": _cpu_model(), "cpus": os.cpu_count(),
           "python": platform.python_version(), "jax_version": importlib.metadata.version("jax"),
-          "platform": "cpu", "load_average_1_5_15": os.getloadavg(),
+          "platform": args.platform, "load_average_1_5_15": os.getloadavg(),
           "jax_moe_build_info": build_info()},
       "timing": "per-iteration time = (t(n_long) - t(n_short)) / (n_long - n_short), wall time "
                 "of a jitted fori_loop (host, xla) or a Python loop of engine calls (raw); each "
                 "number is the slower of the two processes' medians",
-      "target": f"host fused <= {TARGET_RATIO} x raw same_writes",
+      "target": f"{BACKENDS[args.platform]} fused <= {TARGET_RATIO} x raw same_writes; proxy: "
+                "doorbell seen -> first write posted <= 5 us median",
       "rows": rows,
       "failures": failures,
       "per_process": per_provider,
   }
-  stem = args.out / f"host_remote_{host}"
+  stem = args.out / f"host_remote_{host}" if args.platform == "cpu" else \
+      args.out / f"cuda_proxy_{host}"
   report.write_json(stem.with_suffix(".json"), payload)
   plotted = plot(payload, stem.with_suffix(".png"))
   print(table(rows, failures))

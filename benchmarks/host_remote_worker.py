@@ -2,10 +2,12 @@
 
   python benchmarks/host_remote_worker.py CONFIG.json PROCESS_ID PORT RESULT.json
 
-Joins jax.distributed on 127.0.0.1:PORT with CONFIG's devices_per_process CPU devices, then
-per phase, dispatch dtype and combine mode: checks the host backend's fused dispatch+combine
-against the dense reference, times its ops, times a bare TransferEngine moving the same bytes
-to the other process (benchmarks/raw_exchange.py) and, if asked, the xla backend. Writes its
+Joins jax.distributed on 127.0.0.1:PORT with CONFIG's devices_per_process CPU devices (or, on
+platform cuda, GPU PROCESS_ID), then per phase, dispatch dtype and combine mode: checks
+CONFIG's backend's fused dispatch+combine against the dense reference (`host`, or on GPUs
+`cuda-proxy`: the cuda backend through its host proxies), times its ops, times a bare
+TransferEngine moving the same bytes to the other process (benchmarks/raw_exchange.py) and,
+if asked, the xla backend and (on GPUs) the cuda backend over CUDA IPC / NVLink. Writes its
 own timings to RESULT.json ({"ok", "error", "records"}); the parent merges both processes'.
 The provider comes from JAX_MOE_HOST_PROVIDER / JAX_MOE_HOST_NODE (set by the parent).
 """
@@ -28,7 +30,12 @@ BARRIER_TIMEOUT_MS = 120_000
 
 
 def configure(config: dict, process_id: int) -> None:
-  """Before jax is imported: CPU devices, and this process on its own core when asked."""
+  """Before jax is imported: GPU `process_id`, or CPU devices and this process on its own core
+  when asked."""
+  if config["platform"] == "cuda":
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(process_id)
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    return
   os.environ["JAX_PLATFORMS"] = "cpu"
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_force_host_platform_device_count")]
@@ -171,13 +178,16 @@ def _run(config: dict, process_id: int) -> list[dict]:
             np.dtype(partial).itemsize)
         found["traffic"] = [d.record() for d in directions]
 
-        comm = methods.make_communicator(ctx, "host", reduce, config["partial_dtype"], 1)
+        backend = config["backend"]
+        comm = methods.make_communicator(ctx, backend, reduce, config["partial_dtype"], 1)
         try:
-          found["host"] = {}
-          for method in methods.jax_moe_methods(ctx, comm, tuple(config["ops"])):
-            found["host"][method.op] = time_method(method, comm, tokens_in, ids, weights,
-                                                   f"{key}_host_{method.op}")
-            _log(process_id, key, f"host {method.op}", found["host"][method.op])
+          found["jax_moe"] = {}
+          for method in methods.jax_moe_methods(ctx, comm, tuple(config["ops"]), name=backend):
+            found["jax_moe"][method.op] = time_method(method, comm, tokens_in, ids, weights,
+                                                      f"{key}_{backend}_{method.op}")
+            _log(process_id, key, f"{backend} {method.op}", found["jax_moe"][method.op])
+          if backend in methods.FORCED_REMOTE:
+            found["proxy"] = proxy_summary(comm._backend._ranks.proxy_samples())
         finally:
           comm.close()
 
@@ -186,20 +196,45 @@ def _run(config: dict, process_id: int) -> list[dict]:
         for mode, record in found["raw"].items():
           _log(process_id, key, f"raw {mode}", record)
 
-        if config["xla"]:
-          comm = methods.make_communicator(ctx, "xla", reduce, config["partial_dtype"], 1)
+        for other in config["others"]:  # fused only, for context
+          comm = methods.make_communicator(ctx, other, reduce, config["partial_dtype"], 1)
           try:
-            (method,) = methods.jax_moe_methods(ctx, comm, ("fused",))
-            found["xla"] = time_method(method, comm, tokens_in, ids, weights, f"{key}_xla")
-            _log(process_id, key, "xla fused", found["xla"])
+            (method,) = methods.jax_moe_methods(ctx, comm, ("fused",), name=other)
+            found[other] = time_method(method, comm, tokens_in, ids, weights, f"{key}_{other}")
+            _log(process_id, key, f"{other} fused", found[other])
           except jm.CommError as e:
-            found["xla"] = {"status": "failed", "reason": f"CommError: {e}"}
+            found[other] = {"status": "failed", "reason": f"CommError: {e}"}
           finally:
             comm.close()
         records.append(found)
   meeting.barrier("finished")  # no peer still writes into this process's regions
   engine.close()
   return records
+
+
+# The doorbell's op codes (ffi/cuda/proxy.cc) by request.
+PROXY_OPS = {1: "dispatch_send", 2: "dispatch_send", 3: "dispatch_send", 4: "dispatch_recv",
+             5: "combine_send", 6: "combine_recv"}
+
+
+def proxy_summary(samples_by_ordinal: dict) -> dict:
+  """Per request kind, over every request this process's proxy served (compile and check runs
+  included): medians of doorbell seen -> first remote write posted (`first_post_us`, over
+  requests that posted one) and doorbell seen -> done (`serve_us`)."""
+  import numpy as np
+
+  by_op = {}
+  for samples in samples_by_ordinal.values():
+    for op, first_post_ns, serve_ns in samples:
+      entry = by_op.setdefault(PROXY_OPS.get(op, str(op)), {"first_post": [], "serve": []})
+      if first_post_ns >= 0:
+        entry["first_post"].append(first_post_ns / 1e3)
+      entry["serve"].append(serve_ns / 1e3)
+  median = lambda v: float(np.median(v)) if v else None  # noqa: E731
+  return {op: {"requests": len(v["serve"]), "first_post_us": median(v["first_post"]),
+               "first_post_p90_us": float(np.percentile(v["first_post"], 90))
+               if v["first_post"] else None,
+               "serve_us": median(v["serve"])} for op, v in by_op.items()}
 
 
 def _time_raw(engine, meeting, process_id, peer, directions, per_iteration, key, raw_exchange):

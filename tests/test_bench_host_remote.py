@@ -102,9 +102,9 @@ def test_bench_host_remote_runs_checks_and_writes_results(tmp_path):
     for row in rows:
         assert row["correct"]
         assert row["bytes_0to1"] > 0 and row["writes_0to1"] >= 3 + 1 + 1 + 1 + 1
-        for value in (*row["host_us"].values(), *row["raw_us"].values(), row["xla_us"]):
+        for value in (*row["backend_us"].values(), *row["raw_us"].values(), row["xla_us"]):
             assert value is not None
     for process in payload["per_process"]["shm"]:
         for record in process:
-            assert record["host"]["fused"]["correctness"]["passed"]
+            assert record["jax_moe"]["fused"]["correctness"]["passed"]
     assert "fused/same" in done.stdout
