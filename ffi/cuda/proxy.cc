@@ -145,7 +145,15 @@ void CudaProxy::run() {
     }
     const int64_t seen = now_ns();
     host_->first_post_ns = 0;
-    serve(static_cast<uint32_t>(request & 0xff));
+    try {
+      serve(static_cast<uint32_t>(request & 0xff));
+    } catch (const std::exception&) {
+      // The exchange turns transport failures into TIMEOUT; what may still throw here is an
+      // allocation. The ranks' sequences then no longer agree, so the rank is broken as
+      // after a timeout, and the stream still gets its answer.
+      host_->record_error(kTimeout, kStageProxy, host_->dims.rank);
+      host_->timed_out = true;
+    }
     served = request >> 8;
     __atomic_store_n(&doorbell_->done, served, __ATOMIC_RELEASE);
     const int64_t finished = now_ns();
