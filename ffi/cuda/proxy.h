@@ -1,5 +1,5 @@
 // The host proxy of a CUDA rank whose peers are reached through the host (other nodes, or
-// every peer when JAX_MOE_FORCE_REMOTE=1; jax_moe/backends/cuda_ranks.py decides). The rank's
+// every peer when JAX_MOE_FORCE_REMOTE=1; jax_moe/backends/cuda_proxy.py decides). The rank's
 // exchange then runs on the CPU, in one proxy thread per device, as the host backend's
 // protocol (ffi/host/exchange.h) on a host rank state with the same (comm id, ordinal):
 // peers in this process share host memory, peers in other processes are written through the

@@ -101,5 +101,5 @@ class ProxyRanks(RankStates):
 
   def proxy_samples(self) -> dict:
     """{device ordinal: [(op, doorbell seen -> first remote write ns or -1, serve ns)]} of the
-    requests served since the last call (benchmarks/bench_proxy.py)."""
+    requests served since the last call (benchmarks/bench_host_remote.py --platform cuda)."""
     return {o: self._native.cuda_proxy_samples(self.comm_id, o) for o in self.ordinals}
