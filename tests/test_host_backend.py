@@ -122,3 +122,45 @@ def test_a_closed_communicator_is_a_clear_error():
                           timeout=120, env=env)
     assert "raised:" in done.stdout, done.stdout + done.stderr
     assert "no connected host communicator state" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("setup_args", [
+    dict(dispatch="bf16", combine_reduce="source"),
+    dict(dispatch="fp8", combine_reduce="expert", partial_dtype="bfloat16"),
+    dict(dispatch="bf16", combine_reduce="expert", expert_padding=16),
+], ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()))
+def test_row_loops_on_several_threads_give_the_same_bits(monkeypatch, rng, setup_args):
+    """JAX_MOE_HOST_THREADS splits each rank's row loops (ffi/host/parallel.h; the cuda host
+    proxies run them on JAX_MOE_PROXY_THREADS): same bits as one thread, sizes large enough
+    that every loop is split."""
+    from moe_runner import Runner, Setup, make_inputs
+    from routing_cases import routing
+
+    setup = Setup("host", 2, num_experts=8, experts_per_token=4, max_tokens=192, **setup_args)
+    runs = {}
+    for threads in ("1", "3"):
+        monkeypatch.setenv("JAX_MOE_HOST_THREADS", threads)  # read when the Communicator is built
+        runs[threads] = Runner(setup)
+    for scenario in ("random", "skewed", "partial_tokens", "unused_slots"):
+        case = make_inputs(setup, rng, routing(rng, setup.geometry, scenario))
+        one, three = case.run(runs["1"]), case.run(runs["3"])
+        for name in ("first", "second"):
+            a, b = getattr(one, name), getattr(three, name)
+            for field in a:
+                if a[field] is not None:
+                    np.testing.assert_array_equal(np.asarray(a[field]), np.asarray(b[field]),
+                                                  err_msg=f"{scenario}: {name}.{field}")
+        for name in ("out_given", "out_scaled"):
+            np.testing.assert_array_equal(np.asarray(getattr(one, name)),
+                                          np.asarray(getattr(three, name)),
+                                          err_msg=f"{scenario}: {name}")
+    for run in runs.values():
+        run.comm.check()
+        run.comm.close()
+
+
+@pytest.mark.parametrize("bad", ["0", "65", "two", ""])
+def test_thread_counts_outside_1_to_64_are_refused(monkeypatch, bad):
+    monkeypatch.setenv("JAX_MOE_HOST_THREADS", bad)
+    with pytest.raises(ValueError, match=r"JAX_MOE_HOST_THREADS must be a number of threads in \[1, 64\]"):
+        make_comm(monkeypatch)

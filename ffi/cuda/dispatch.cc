@@ -1,5 +1,6 @@
 // FFI handlers of dispatch: decode and check the buffers against the rank state, then call
-// the launchers of cuda/dispatch.cu (or the rank's host proxy, ffi/cuda/proxy.h). Argument order matches jax_moe/backends/cuda.py.
+// the launchers of cuda/dispatch.cu (or the rank's host proxy, ffi/cuda/proxy.h). Argument
+// order matches jax_moe/backends/cuda.py.
 #include <cuda_runtime.h>
 
 #include "cuda/api.cuh"

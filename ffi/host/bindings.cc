@@ -42,6 +42,8 @@ void bind_host(nb::module_& m) {
       },
       nb::arg("comm_id"), nb::arg("ordinal"),
       "(code, stage, rank, detail) of the recorded error, cleared; None when none.");
+  m.def("host_set_threads", &host::set_host_threads, nb::arg("comm_id"), nb::arg("ordinal"),
+        nb::arg("threads"), "Threads of the rank's row loops (1 to 64; default 1).");
   m.def("host_destroy_rank", &host::destroy_host_rank, nb::arg("comm_id"), nb::arg("ordinal"),
         "Frees the rank's buffer.");
 }

@@ -7,10 +7,14 @@
 #include <vector>
 
 #include "ffi/host/numerics.h"
+#include "ffi/host/parallel.h"
 #include "ffi/host/remote_spans.h"
 
 namespace jax_moe::host {
 namespace {
+
+// Smallest piece of a row loop worth a thread of its own (parallel.h): rows are KBs each.
+constexpr size_t kRowsPerThread = 64;
 
 uint64_t* flag_at(char* buffer, size_t offset, int index) {
   return reinterpret_cast<uint64_t*>(buffer + offset) + index;
@@ -198,7 +202,9 @@ void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
   const int me = d.rank, nb = scale_blocks(d);
   const size_t row_bytes = d.fp8 ? size_t(d.hidden) : size_t(d.hidden) * 2;
   // Padding rows and rows past the total are zero; so is everything after a timeout.
-  std::memset(x, 0, size_t(C) * row_bytes);
+  parallel_for(s.threads, size_t(C), kRowsPerThread, [&](size_t begin, size_t end) {
+    std::memset(static_cast<char*>(x) + begin * row_bytes, 0, (end - begin) * row_bytes);
+  });
   if (d.fp8) std::fill(scales, scales + size_t(C) * nb, 0.f);
   std::fill(weights, weights + C, 0.f);
   std::fill(group_sizes, group_sizes + L, 0);
@@ -246,12 +252,15 @@ void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
   }
   if (total > C) s.record_error(kCapacityOverflow, kStageDispatchRecv, total);
 
+  // Every slot has its own row, so tokens (src, t) are placed independently.
   char* x_rows = static_cast<char*>(x);
-  for (int src = 0; src < R; ++src) {
-    for (int t = 0; t < ntok[src]; ++t) {
+  parallel_for(s.threads, size_t(R) * T, kRowsPerThread, [&](size_t begin, size_t end) {
+    for (size_t task = begin; task < end; ++task) {
+      const int src = int(task / T), t = int(task % T);
+      if (t >= ntok[src]) continue;
       const char* token = token_slot(s.buffer, lay, d, src, t);
       for (int k = 0; k < K; ++k) {
-        const size_t slot = (size_t(src) * T + t) * K + k;
+        const size_t slot = task * K + k;
         const int e = ids[slot] - me * L;
         if (e < 0 || e >= L) continue;
         const int row = first_row[src * L + e] + s.slot_rank[slot];
@@ -265,7 +274,7 @@ void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
         if (d.fp8) std::memcpy(scales + size_t(row) * nb, token + d.hidden, sizeof(float) * nb);
       }
     }
-  }
+  });
   publish(s, lay.dispatch_ack, seq);
   post_remote(s, Signal::kDispatchAck, seq, std::vector<std::vector<Span>>(R),
               kStageDispatchRecv);
@@ -287,26 +296,29 @@ void combine_send(HostRankState& s, const uint16_t* y, const int32_t* slot_rows,
 
   if (!d.reduce_expert) {
     // Row of slot (src, t, k) to comb[t][k] on src; zeros for a slot dropped by overflow.
-    for (size_t task = 0; task < size_t(R) * T * K; ++task) {
-      const int row = slot_rows[task];
-      if (row == -1) continue;
-      const int src = int(task / (size_t(T) * K));
-      uint16_t* dst = reinterpret_cast<uint16_t*>(s.peers[src] + lay.combine) +
-                      (task % (size_t(T) * K)) * H;
-      if (row >= 0 && row < C) {
-        std::memcpy(dst, y + size_t(row) * H, size_t(H) * 2);
-      } else {
-        std::fill(dst, dst + H, uint16_t{0});
+    parallel_for(s.threads, size_t(R) * T * K, kRowsPerThread, [&](size_t begin, size_t end) {
+      for (size_t task = begin; task < end; ++task) {
+        const int row = slot_rows[task];
+        if (row == -1) continue;
+        const int src = int(task / (size_t(T) * K));
+        uint16_t* dst = reinterpret_cast<uint16_t*>(s.peers[src] + lay.combine) +
+                        (task % (size_t(T) * K)) * H;
+        if (row >= 0 && row < C) {
+          std::memcpy(dst, y + size_t(row) * H, size_t(H) * 2);
+        } else {
+          std::fill(dst, dst + H, uint16_t{0});
+        }
       }
-    }
+    });
   } else {
     // One partial per (src, t) with a slot here: the f32 sum in k order of w * y[row],
     // stored in partial dtype at part[this rank][t] on src.
-    std::vector<float> acc(H);
     const size_t pbytes = partial_bytes(d);
-    for (int src = 0; src < R; ++src) {
-      for (int t = 0; t < T; ++t) {
-        const int32_t* rows = slot_rows + (size_t(src) * T + t) * K;
+    parallel_for(s.threads, size_t(R) * T, kRowsPerThread, [&](size_t begin, size_t end) {
+      std::vector<float> acc(H);
+      for (size_t task = begin; task < end; ++task) {
+        const int src = int(task / T), t = int(task % T);
+        const int32_t* rows = slot_rows + task * K;
         if (std::all_of(rows, rows + K, [](int32_t r) { return r == -1; })) continue;
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int k = 0; k < K; ++k) {
@@ -324,7 +336,7 @@ void combine_send(HostRankState& s, const uint16_t* y, const int32_t* slot_rows,
           std::memcpy(dst, acc.data(), size_t(H) * 4);
         }
       }
-    }
+    });
   }
   publish(s, lay.combine_flag, seq);
   post_remote(s, Signal::kCombine, seq, combine_spans(s, lay, slot_rows), kStageCombineSend);
@@ -343,37 +355,40 @@ void combine_recv(HostRankState& s, const int32_t* send_dest, const float* topk_
     return;
   }
 
-  std::vector<float> acc(H);
   const char* comb = s.buffer + lay.combine;
-  for (int t = 0; t < T; ++t) {
-    std::fill(acc.begin(), acc.end(), 0.f);
-    uint64_t ranks = 0;
-    for (int k = 0; k < K; ++k) {
-      const int dest = send_dest[t * K + k];
-      if (dest < 0 || dest >= R) continue;
-      ranks |= 1ull << dest;
-      if (d.reduce_expert) continue;
-      // Source mode: every valid slot's row, in k order.
-      const float w = topk_weights[t * K + k];
-      const uint16_t* row = reinterpret_cast<const uint16_t*>(comb) + (size_t(t) * K + k) * H;
-      for (int i = 0; i < H; ++i) acc[i] = acc[i] + w * bf16_to_f32(row[i]);
-    }
-    if (d.reduce_expert) {
-      // Expert mode: the partial of every rank holding one of t's slots, in rank order.
-      for (int p = 0; p < R; ++p) {
-        if (!((ranks >> p) & 1)) continue;
-        const size_t part_row = size_t(p) * T + t;
-        if (d.partial_bf16) {
-          const uint16_t* part = reinterpret_cast<const uint16_t*>(comb) + part_row * H;
-          for (int i = 0; i < H; ++i) acc[i] = acc[i] + bf16_to_f32(part[i]);
-        } else {
-          const float* part = reinterpret_cast<const float*>(comb) + part_row * H;
-          for (int i = 0; i < H; ++i) acc[i] = acc[i] + part[i];
+  parallel_for(s.threads, size_t(T), kRowsPerThread, [&](size_t begin, size_t end) {
+    std::vector<float> acc(H);
+    for (int t = int(begin); t < int(end); ++t) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      uint64_t ranks = 0;
+      for (int k = 0; k < K; ++k) {
+        const int dest = send_dest[t * K + k];
+        if (dest < 0 || dest >= R) continue;
+        ranks |= 1ull << dest;
+        if (d.reduce_expert) continue;
+        // Source mode: every valid slot's row, in k order.
+        const float w = topk_weights[t * K + k];
+        const uint16_t* row =
+            reinterpret_cast<const uint16_t*>(comb) + (size_t(t) * K + k) * H;
+        for (int i = 0; i < H; ++i) acc[i] = acc[i] + w * bf16_to_f32(row[i]);
+      }
+      if (d.reduce_expert) {
+        // Expert mode: the partial of every rank holding one of t's slots, in rank order.
+        for (int p = 0; p < R; ++p) {
+          if (!((ranks >> p) & 1)) continue;
+          const size_t part_row = size_t(p) * T + t;
+          if (d.partial_bf16) {
+            const uint16_t* part = reinterpret_cast<const uint16_t*>(comb) + part_row * H;
+            for (int i = 0; i < H; ++i) acc[i] = acc[i] + bf16_to_f32(part[i]);
+          } else {
+            const float* part = reinterpret_cast<const float*>(comb) + part_row * H;
+            for (int i = 0; i < H; ++i) acc[i] = acc[i] + part[i];
+          }
         }
       }
+      for (int i = 0; i < H; ++i) out[size_t(t) * H + i] = f32_to_bf16(acc[i]);
     }
-    for (int i = 0; i < H; ++i) out[size_t(t) * H + i] = f32_to_bf16(acc[i]);
-  }
+  });
   publish(s, lay.combine_ack, seq);
   post_remote(s, Signal::kCombineAck, seq, std::vector<std::vector<Span>>(R), kStageCombineRecv);
 }

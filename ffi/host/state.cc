@@ -88,6 +88,15 @@ void connect_host_rank(int64_t comm_id, int ordinal, const std::vector<int>& ord
   s.connected = true;
 }
 
+void set_host_threads(int64_t comm_id, int ordinal, int threads) {
+  if (threads < 1 || threads > 64) {
+    throw std::invalid_argument("jax_moe host backend: threads must be in [1, 64], got " +
+                                std::to_string(threads));
+  }
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  existing(comm_id, ordinal).threads = threads;
+}
+
 bool take_host_error(int64_t comm_id, int ordinal, ErrorRecord* out) {
   HostRankState* s = find_host_rank(comm_id, ordinal);
   if (s == nullptr) return false;

@@ -34,6 +34,7 @@ struct HostRankState {
   uint64_t dispatch_seq = 0;            // advanced by dispatch_send, used by dispatch_recv
   uint64_t combine_seq = 0;
   double timeout_s = 10.0;
+  int threads = 1;  // threads of the row loops (parallel.h); set for the cuda host proxies
   bool connected = false;
   // A wait gave up: the ranks' sequences disagree, so every later call records TIMEOUT
   // (naming timeout_peer) and returns zeros. Handlers never fail at run time for it: JAX
@@ -60,6 +61,8 @@ void create_host_rank(int64_t comm_id, int ordinal, const MoeDims& dims, double 
 // Points rank `ordinal` at every rank's buffer: rank p lives on local device ordinals[p], or
 // in another process when ordinals[p] is -1 (then `remote` must have it, connected).
 void connect_host_rank(int64_t comm_id, int ordinal, const std::vector<int>& ordinals);
+// Threads of the rank's row loops (ffi/host/parallel.h), in [1, 64].
+void set_host_threads(int64_t comm_id, int ordinal, int threads);
 bool take_host_error(int64_t comm_id, int ordinal, ErrorRecord* out);
 void destroy_host_rank(int64_t comm_id, int ordinal);
 

@@ -24,6 +24,9 @@ from jax_moe import native
 from jax_moe.backends import host_remote
 from jax_moe.backends.cuda_ranks import KV_TIMEOUT_MS, RankStates, distributed_client
 
+# Row-loop threads of each proxy's exchange (JAX_MOE_PROXY_THREADS): the exchange is CPU-bound
+# (zeroing, copying and summing rows) and a GPU host has cores to spare.
+PROXY_THREADS = 4
 _host_checks = itertools.count(1)  # the same sequence in every process, like comm ids
 
 
@@ -83,7 +86,9 @@ class ProxyRanks(RankStates):
         raise
 
     try:
-      host_remote.connect_host_ranks(self, groups, lambda d: d.local_hardware_id, create, owner)
+      host_remote.connect_host_ranks(self, groups, lambda d: d.local_hardware_id, create, owner,
+                                     host_remote.threads_setting("JAX_MOE_PROXY_THREADS",
+                                                                 PROXY_THREADS))
       for ordinal in self.ordinals:
         module.cuda_start_proxy(self.comm_id, ordinal)
     except BaseException:

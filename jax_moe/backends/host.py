@@ -58,8 +58,10 @@ class HostRanks(RankStates):
     module = native.load()
     super().__init__(module.host_take_error, module.host_destroy_rank)
     try:
+      # One XLA thread per CPU device runs each rank already: one row-loop thread by default.
+      threads = host_remote.threads_setting("JAX_MOE_HOST_THREADS", 1)
       host_remote.connect_host_ranks(self, rank_groups(mesh, axis), lambda d: d.id, create,
-                                     owner)
+                                     owner, threads)
     except BaseException:
       self.close()
       raise

@@ -49,12 +49,21 @@ def shuffle_seed() -> int:
   return int(text)
 
 
-def connect_host_ranks(states, groups, ordinal_of, create, owner: str) -> None:
+def threads_setting(variable: str, default: int) -> int:
+  """Threads of each rank's row loops from environment variable `variable` (1 to 64)."""
+  text = os.environ.get(variable, str(default))
+  if not text.isdigit() or not 1 <= int(text) <= 64:
+    raise ValueError(f"{variable} must be a number of threads in [1, 64], got {text!r}")
+  return int(text)
+
+
+def connect_host_ranks(states, groups, ordinal_of, create, owner: str, threads: int) -> None:
   """Creates and connects the host rank states of this process's devices in `groups`.
 
   groups[g] lists the devices of group g in rank order; ordinal_of(device) is the key of a
-  local device's state; create(comm_id, ordinal, rank) makes one. Created ordinals are
-  appended to states.ordinals, so states.close() frees them if a later step fails.
+  local device's state; create(comm_id, ordinal, rank) makes one; each runs its row loops on
+  `threads` threads. Created ordinals are appended to states.ordinals, so states.close()
+  frees them if a later step fails.
   """
   me = jax.process_index()
   # local[g][p]: key of rank p of group g in this process, -1 in another process.
@@ -68,6 +77,7 @@ def connect_host_ranks(states, groups, ordinal_of, create, owner: str) -> None:
       if ordinal >= 0:
         create(states.comm_id, ordinal, rank)
         states.ordinals.append(ordinal)
+        module.host_set_threads(states.comm_id, ordinal, threads)
   for index, ordinals in enumerate(local):
     if all(o < 0 for o in ordinals):
       continue
