@@ -138,9 +138,12 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
   if (given != ntok) s.record_error(kBadNumTokens, kStageDispatchSend, given);
   for (char* peer : s.peers) reinterpret_cast<int32_t*>(peer + lay.recv_num_tokens)[me] = ntok;
 
-  // Routes first, and posted to the remote ranks before any row is packed: they are small,
-  // and a receiver needs them to know which rows to expect (the proxy-overhead measurement
-  // of ffi/cuda/proxy.h ends at this first post).
+  // Routes first. A rank alone in its process (a cuda host proxy with one GPU per process)
+  // posts them to the remote ranks before packing any row: they are small, a receiver needs
+  // them to know which rows to expect, and the proxy-overhead measurement of
+  // ffi/cuda/proxy.h ends at this first post. With other ranks in the process, the local
+  // publish below goes first: a post may block for up to the timeout on a dead peer, and the
+  // local ranks must not wait behind it (they would time out naming this rank).
   std::vector<uint64_t> dest_masks(ntok, 0);  // bit p: token t has a slot on rank p
   for (int t = 0; t < ntok; ++t) {
     for (int k = 0; k < K; ++k) {
@@ -160,7 +163,13 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
       }
     }
   }
-  post_remote(s, Signal::kDispatch, seq, dispatch_route_spans(d, lay, ntok), kStageDispatchSend);
+  int local_ranks = 0;
+  for (int p = 0; p < d.world; ++p) local_ranks += !is_remote(s, p);
+  const bool alone = local_ranks == 1;
+  if (alone) {
+    post_remote(s, Signal::kDispatch, seq, dispatch_route_spans(d, lay, ntok),
+                kStageDispatchSend);
+  }
 
   std::vector<char> quantized(input == RowInput::kBf16Quantize ? token_bytes(d) : 0);
   for (int t = 0; t < ntok; ++t) {
@@ -189,6 +198,10 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
     }
   }
   publish(s, lay.dispatch_flag, seq);
+  if (!alone) {
+    post_remote(s, Signal::kDispatch, seq, dispatch_route_spans(d, lay, ntok),
+                kStageDispatchSend);
+  }
   post_remote(s, Signal::kDispatchRows, seq, dispatch_row_spans(s, lay, dest_masks),
               kStageDispatchSend);
   s.dispatch_seq = seq;
