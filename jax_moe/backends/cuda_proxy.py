@@ -20,9 +20,9 @@ import socket
 
 import jax
 
-from jax_moe import native
 from jax_moe.backends import host_remote
-from jax_moe.backends.cuda_ranks import KV_TIMEOUT_MS, RankStates, distributed_client
+from jax_moe.backends.cuda_ranks import (KV_TIMEOUT_MS, RankStates, cuda_module,
+                                         distributed_client)
 
 # Row-loop threads of each proxy's exchange (JAX_MOE_PROXY_THREADS): the exchange is CPU-bound
 # (zeroing, copying and summing rows) and a GPU host has cores to spare.
@@ -69,11 +69,7 @@ class ProxyRanks(RankStates):
   """
 
   def __init__(self, groups, sizes, owner: str):
-    module = native.load()
-    if module is None or not native.has_cuda():
-      raise ValueError(f"{owner}: jax_moe._native was not built with CUDA "
-                       f"({native.build_info()['native_error'] or 'CUDA off in this build'})")
-    native.register_targets()
+    module = cuda_module(owner)
     super().__init__(self._take_error, self._destroy)
     self._native = module
 

@@ -62,6 +62,16 @@ def rank_groups(mesh, axis: str) -> np.ndarray:
   return devices.reshape(-1, devices.shape[-1])
 
 
+def cuda_module(owner: str):
+  """The native module with its targets registered; raises unless it was built with CUDA."""
+  module = native.load()
+  if module is None or not native.has_cuda():
+    raise ValueError(f"{owner}: jax_moe._native was not built with CUDA "
+                     f"({native.build_info()['native_error'] or 'CUDA off in this build'})")
+  native.register_targets()
+  return module
+
+
 class RankStates:
   """The native rank states of one communicator on this process's devices: a communicator id
   unique in the process, the devices holding a rank, the error check and the teardown.
@@ -95,11 +105,7 @@ class CudaRanks(RankStates):
   """
 
   def __init__(self, mesh, axis: str, create: Callable[[int, int, int], None], owner: str):
-    module = native.load()
-    if module is None or not native.has_cuda():
-      raise ValueError(f"{owner}: jax_moe._native was not built with CUDA "
-                       f"({native.build_info()['native_error'] or 'CUDA off in this build'})")
-    native.register_targets()
+    module = cuda_module(owner)
     super().__init__(module.cuda_take_error, module.cuda_destroy_rank)
     self._native = module
     self._owner = owner
