@@ -1,9 +1,10 @@
 """The `jax-moe` command: `info` (what runs here), `demo` (one MoE layer, checked) and
 `generate` (expert-parallel text generation with a Qwen3-MoE or DeepSeek-V3 model).
 
-`demo` runs dispatch -> grouped GEMM (jax.lax.ragged_dot) -> combine on every device of the
-default platform with every available backend and both combine modes, compares the output
-with a dense f32 computation and exits non-zero when they disagree.
+`demo` runs dispatch -> grouped GEMM (jax_moe.grouped_gemm.ragged_dot: tokamax on Hopper where
+it applies, else jax.lax.ragged_dot) -> combine on every device of the default platform with
+every available backend and both combine modes, compares the output with a dense f32
+computation and exits non-zero when they disagree.
 """
 
 from __future__ import annotations
@@ -102,11 +103,12 @@ def _moe_layer(comm):
   import jax
   import jax.numpy as jnp
   import jax_moe as jm
+  from jax_moe import grouped_gemm
 
   def layer(x, ids, weights, w_local):
     r = comm.dispatch(x, ids, weights)
     rows = jm.dequantize_fp8(r.x, r.scales, jnp.bfloat16) if comm.cfg.is_fp8 else r.x
-    y = jax.lax.ragged_dot(rows, w_local, r.group_sizes, preferred_element_type=jnp.float32)
+    y = grouped_gemm.ragged_dot(rows, w_local, r.group_sizes, preferred_element_type=jnp.float32)
     return comm.combine(y.astype(jnp.bfloat16), r.handle)
 
   return layer

@@ -1,5 +1,9 @@
 """The routed-expert block of both models: jax_moe dispatch -> ragged_dot SwiGLU -> combine.
 
+The expert GEMMs go through jax_moe.grouped_gemm.ragged_dot (tokamax's Mosaic GPU kernel on
+Hopper where it applies, jax.lax.ragged_dot elsewhere); `GEMM_IMPLEMENTATION` picks its
+`implementation` for every layer ("auto", "lax" or "tokamax").
+
 Contract (what the models rely on):
 
   experts = RoutedExperts(num_experts, dim, hidden, experts_per_token=K, rules=..., pool=...,
@@ -40,10 +44,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jax_moe as jm
+from jax_moe import grouped_gemm
 from jax_moe.models.sharding import ShardingRules, param
 from jax_moe.sharding import shard_map
 
 WIRES = ("exact", "bf16", "fp8")
+GEMM_IMPLEMENTATION = "auto"  # grouped_gemm.ragged_dot's `implementation` for the experts
 
 
 def default_wire(dtype) -> str:
@@ -201,8 +207,9 @@ class RoutedExperts(nnx.Module):
   @staticmethod
   def _experts(rows, group_sizes, w_gate, w_up, w_down, precision):
     """SwiGLU of each row with its local expert: grouped GEMMs over the dispatched layout."""
-    dot = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, precision=precision,
-                                          preferred_element_type=jnp.float32)
+    dot = lambda a, w: grouped_gemm.ragged_dot(a, w, group_sizes, precision=precision,
+                                               preferred_element_type=jnp.float32,
+                                               implementation=GEMM_IMPLEMENTATION)
     gate, up = dot(rows, w_gate), dot(rows, w_up)
     h = (jax.nn.silu(gate) * up).astype(w_down.dtype)
     return dot(h, w_down)

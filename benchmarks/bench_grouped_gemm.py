@@ -1,0 +1,448 @@
+"""Grouped-GEMM device time: jax.lax.ragged_dot, a padded batched einsum, tokamax's Mosaic GPU
+ragged_dot and jax_moe.grouped_gemm.ragged_dot, against the GPU's floors, in one run.
+
+x [M, K] @ w[g] for the rows of group g, w [G, K, N], bf16 in and out, f32 accumulation; equal
+groups by default (--groups uneven: random sizes that still sum to M, some empty). Every
+method first runs once and is compared with lax.ragged_dot's f32-output result (relative
+Frobenius error; above --tolerance it is reported "wrong" and not timed). Time per call:
+n calls inside one jit in a lax.fori_loop, each call's x depending on the previous output
+(a one-element write), (t(n_long) - t(n_short)) / (n_long - n_short) (benchmarks/timing.py).
+
+Floors, measured in the same run: the dense bf16 peak from a plain --peak-size^3 matmul in the
+same kind of loop, and the copy bandwidth from an elementwise pass over --copy-mib MiB
+(bytes read + written / time). A shape's HBM floor is (bytes of x + w + out) / copy bandwidth,
+its compute floor 2*M*K*N / peak. Targets (issue 20): decode shapes <= 1.15x the HBM floor,
+prefill shapes >= 50% of the measured peak.
+
+Methods: lax (jax.lax.ragged_dot), einsum (equal groups: a reshape to [G, M/G, K] and one
+batched einsum; uneven: rows gathered into [G, max group, K], einsum, gathered back),
+tokamax (tokamax.ragged_dot(implementation="mosaic"): tokamax's own config choice, its H100
+cache or its heuristics), auto (jax_moe.grouped_gemm.ragged_dot: the tuned config and the
+zeroed tail), and with --sweep every candidate tile config of tokamax's sm90 kernel
+("cfg ..."), the data behind grouped_gemm.SM90_CONFIGS.
+
+Writes <out>/grouped_gemm_<device>.json (after every shape) and .png, and prints the table.
+
+  python benchmarks/bench_grouped_gemm.py --out benchmarks/results/grouped-gemm-abc1234 \\
+      --git-commit abc1234 [--sweep]
+  JAX_PLATFORMS=cpu python benchmarks/bench_grouped_gemm.py --quick --out /tmp/gg   # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `jax_moe` importable
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from benchmarks.arguments import csv_list  # noqa: E402
+from benchmarks.environment import device_slug, provenance  # noqa: E402
+from benchmarks.timing import time_per_iteration, wall_time  # noqa: E402
+from jax_moe import grouped_gemm as gg  # noqa: E402
+
+# name: (rows M, groups G, K, N, kind) -- issue 20's shapes
+SHAPES = {
+    "decode-dsv3": (1024, 256, 7168, 2048, "decode"),      # all DeepSeek-V3 experts on one GPU
+    "prefill-dsv3-ep8": (32768, 32, 7168, 2048, "prefill"),  # an EP8 share
+    "decode-qwen3-ep8": (1024, 16, 4096, 1536, "decode"),   # Qwen3-235B EP8 share
+    "prefill-qwen3-ep8": (32768, 16, 4096, 1536, "prefill"),
+}
+QUICK_SHAPES = {
+    "decode-tiny": (64, 8, 256, 128, "decode"),
+    "prefill-tiny": (512, 4, 256, 128, "prefill"),
+}
+METHODS = ("lax", "einsum", "tokamax", "auto")
+DECODE_TARGET = 1.15   # x HBM floor
+PREFILL_TARGET = 0.50  # of the measured dense peak
+
+# Candidate tile configs of tokamax's sm90 kernel (pallas_mosaic_gpu.Config keywords; split_k=1
+# is added). Shared memory: num_stages * (block_m + block_n) * block_k * 2 B + the output tile
+# must stay under 227 KiB. The first prefill ones are the winners of tokamax's H100 cache.
+_C = lambda m, n, k, s, p, minor, w: dict(block_m=m, block_n=n, block_k=k, num_stages=s,
+                                          persistent=p, grid_minor_dim=minor, grid_tile_width=w)
+SWEEP = {
+    "prefill": {
+        "m128n64k128s4 persistent N-minor w8": _C(128, 64, 128, 4, True, 1, 8),
+        "m128n64k128s4 persistent N-minor w4": _C(128, 64, 128, 4, True, 1, 4),
+        "m128n64k128s4 persistent M-minor w1": _C(128, 64, 128, 4, True, 0, 1),
+        "m128n64k128s4 M-minor w4": _C(128, 64, 128, 4, False, 0, 4),
+        "m128n128k64s4 persistent N-minor w8": _C(128, 128, 64, 4, True, 1, 8),
+        "m128n128k128s2 persistent N-minor w8": _C(128, 128, 128, 2, True, 1, 8),
+        "m64n64k128s4 persistent N-minor w8": _C(64, 64, 128, 4, True, 1, 8),
+    },
+    "decode": {
+        "m64n64k128s4 M-minor w1": _C(64, 64, 128, 4, False, 0, 1),
+        "m64n64k128s4 persistent N-minor w8": _C(64, 64, 128, 4, True, 1, 8),
+        "m64n64k128s6 M-minor w1": _C(64, 64, 128, 6, False, 0, 1),
+        "m64n64k256s3 M-minor w1": _C(64, 64, 256, 3, False, 0, 1),
+        "m64n128k128s4 M-minor w1": _C(64, 128, 128, 4, False, 0, 1),
+        "m32n64k128s4 M-minor w1": _C(32, 64, 128, 4, False, 0, 1),
+    },
+}
+for _configs in SWEEP.values():
+  for _config in _configs.values():
+    _config["split_k"] = 1
+
+
+# ------------------------------------------------------------------------------- inputs
+def group_sizes(m: int, g: int, kind: str, seed: int) -> np.ndarray:
+  if kind == "equal":
+    sizes = np.full(g, m // g, np.int64)
+    sizes[: m - sizes.sum()] += 1
+    return sizes.astype(np.int32)
+  rng = np.random.default_rng(seed)
+  weights = rng.gamma(0.7, size=g) * (rng.random(g) > 0.1)  # ~10% empty groups
+  if not weights.any():
+    weights[0] = 1.0
+  sizes = np.floor(weights / weights.sum() * m).astype(np.int64)
+  sizes[np.argmax(weights)] += m - sizes.sum()
+  return sizes.astype(np.int32)
+
+
+def make_inputs(m, g, k, n, sizes, seed):
+  key_x, key_w = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(key_x, (m, k), jnp.bfloat16)
+  w = (jax.random.normal(key_w, (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+  return x, w, jnp.asarray(sizes, jnp.int32)
+
+
+# ------------------------------------------------------------------------------- methods
+def padded_einsum(sizes: np.ndarray, m: int):
+  """The grouped GEMM as one batched einsum over groups padded to the largest one."""
+  g = len(sizes)
+  if (sizes == sizes[0]).all() and sizes[0] * g == m:
+    c = int(sizes[0])
+    return lambda x, w, gs: jnp.einsum("gck,gkn->gcn", x.reshape(g, c, -1), w).reshape(m, -1)
+  c = int(max(sizes.max(), 1))
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  gather = np.full((g, c), m, np.int32)            # row m: a zero row appended to x
+  back = np.full(m, g * c, np.int32)               # row g*c: a zero row appended to y
+  for e, (s, size) in enumerate(zip(starts, sizes)):
+    gather[e, :size] = np.arange(s, s + size)
+    back[s:s + size] = e * c + np.arange(size)
+  gather, back = jnp.asarray(gather), jnp.asarray(back)
+
+  def fn(x, w, gs):
+    xp = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[gather]
+    y = jnp.einsum("gck,gkn->gcn", xp, w).reshape(g * c, -1)
+    return jnp.concatenate([y, jnp.zeros((1, y.shape[1]), y.dtype)])[back]
+  return fn
+
+
+def methods_for(kind: str, sizes: np.ndarray, m: int, k: int, n: int, wanted, sweep: bool,
+                device):
+  """[(label, family, fn(x, w, gs) -> [M, N] bf16, tile config or None, note)]."""
+  out = []
+  bf16 = jnp.bfloat16
+  if "lax" in wanted:
+    out.append(("lax.ragged_dot", "lax",
+                lambda x, w, gs: jax.lax.ragged_dot(x, w, gs, preferred_element_type=bf16),
+                None, ""))
+  if "einsum" in wanted:
+    out.append(("einsum (padded)", "einsum", padded_einsum(sizes, m), None, ""))
+  available, reason = gg.tokamax_status()
+  on_hopper = gg._is_hopper(device)
+  tokamax_ok = available and on_hopper
+  why_not = reason if not available else f"{device.device_kind} is not a Hopper GPU"
+  if "tokamax" in wanted:
+    if tokamax_ok:
+      import tokamax
+      out.append(("tokamax mosaic (its own config)", "tokamax",
+                  lambda x, w, gs: tokamax.ragged_dot(x, w, gs, preferred_element_type=bf16,
+                                                      implementation="mosaic"), None, ""))
+    else:
+      out.append(("tokamax mosaic (its own config)", "tokamax", None, None, why_not))
+  if sweep and tokamax_ok:
+    for name, config in SWEEP[kind].items():
+      out.append((f"cfg {name}", "sweep",
+                  lambda x, w, gs, c=config: gg.tokamax_ragged_dot(
+                      x, w, gs, preferred_element_type=bf16, config=c, zero_tail=False),
+                  config, ""))
+  if "auto" in wanted:
+    chosen = gg.implementation_for(jax.ShapeDtypeStruct((m, k), bf16),
+                                   jax.ShapeDtypeStruct((len(sizes), k, n), bf16),
+                                   preferred_element_type=bf16, device=device)
+    out.append(("jax_moe auto", "auto",
+                lambda x, w, gs: gg.ragged_dot(x, w, gs, preferred_element_type=bf16),
+                None, f"-> {chosen[0]}: {chosen[1]}"))
+  return out
+
+
+# ------------------------------------------------------------------------------- timing
+def loop_program(fn, out_shape):
+  """jit(run(x, w, gs, n)): n dependent calls of fn in a fori_loop; returns the last output."""
+
+  def run(x, w, gs, n):
+    def body(_, carry):
+      x, _ = carry
+      y = fn(x, w, gs)
+      # the next x depends on this output (one element), so calls neither hoist nor overlap
+      x = x.at[0, 0].add((y[0, 0] * jnp.zeros((), y.dtype)).astype(x.dtype))
+      return x, y
+    y0 = jnp.zeros(out_shape, jnp.bfloat16)
+    return jax.lax.fori_loop(0, n.reshape(()), body, (x, y0))[1]
+
+  return jax.jit(run)
+
+
+def time_fn(fn, args, out_shape, args_ns):
+  prog = loop_program(fn, out_shape)
+  compile_s, _ = wall_time(prog, *args, jnp.int32(1))
+  summary, _ = time_per_iteration(lambda n: prog(*args, jnp.int32(n)), args_ns.short_iters,
+                                  args_ns.iters, args_ns.reps, args_ns.budget_s)
+  summary["first_call_s"] = compile_s
+  return summary
+
+
+def measure_peak(size: int, args_ns) -> dict:
+  key_a, key_b = jax.random.split(jax.random.key(7))
+  a = jax.random.normal(key_a, (size, size), jnp.bfloat16)
+  b = jax.random.normal(key_b, (size, size), jnp.bfloat16)
+  summary = time_fn(lambda x, w, _: x @ w, (a, b, jnp.zeros((1,), jnp.int32)), (size, size),
+                    args_ns)
+  flops = 2.0 * size ** 3
+  return {"size": size, "flops": flops, "time": summary,
+          "tflops": flops / summary["median_us"] / 1e6}
+
+
+def measure_copy(mib: int, args_ns) -> dict:
+  elements = mib * (1 << 20) // 2
+  x = jax.random.normal(jax.random.key(8), (elements // 1024, 1024), jnp.bfloat16)
+  summary = time_fn(lambda x, w, _: -x, (x, jnp.zeros((1,), jnp.bfloat16),
+                                         jnp.zeros((1,), jnp.int32)), x.shape, args_ns)
+  moved = 2.0 * x.size * 2  # read + write
+  return {"bytes": x.size * 2, "bytes_moved": moved, "time": summary,
+          "tb_per_s": moved / summary["median_us"] / 1e6}
+
+
+def relative_error(y, ref) -> float:
+  y = jnp.asarray(y, jnp.float32)
+  diff = jnp.linalg.norm((y - ref).ravel())
+  return float(diff / jnp.maximum(jnp.linalg.norm(ref.ravel()), 1e-30))
+
+
+# ------------------------------------------------------------------------------- report
+def shape_floors(m, g, k, n, peak, copy) -> dict:
+  bytes_ = 2.0 * (m * k + g * k * n + m * n)
+  flops = 2.0 * m * k * n
+  hbm_us = bytes_ / (copy["tb_per_s"] * 1e6) if copy else None
+  compute_us = flops / (peak["tflops"] * 1e6) if peak else None
+  return {"bytes": bytes_, "flops": flops, "hbm_floor_us": hbm_us, "compute_floor_us": compute_us}
+
+
+def grade(result: dict, floors: dict, kind: str, peak: dict | None) -> None:
+  t = result["time"]["median_us"]
+  result["tflops"] = floors["flops"] / t / 1e6
+  if floors["hbm_floor_us"]:
+    result["x_hbm_floor"] = t / floors["hbm_floor_us"]
+  if peak:
+    result["frac_peak"] = result["tflops"] / peak["tflops"]
+  if kind == "decode" and "x_hbm_floor" in result:
+    result["meets_target"] = result["x_hbm_floor"] <= DECODE_TARGET
+  elif kind == "prefill" and "frac_peak" in result:
+    result["meets_target"] = result["frac_peak"] >= PREFILL_TARGET
+
+
+def plot(payload: dict, path: Path) -> bool:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  shapes = list(payload["shapes"])
+  if not shapes:
+    return False
+  colors = {"lax": "tab:orange", "einsum": "tab:gray", "tokamax": "tab:green",
+            "sweep": "tab:olive", "auto": "tab:blue"}
+  cols = min(2, len(shapes))
+  rows_n = (len(shapes) + cols - 1) // cols
+  fig, axes = plt.subplots(rows_n, cols, figsize=(8 * cols, 4.2 * rows_n), squeeze=False)
+  for ax, name in zip(axes.flat, shapes):
+    info = payload["shapes"][name]
+    rows = [r for r in payload["results"] if r["shape"] == name and r["status"] == "ok"]
+    if not rows:
+      ax.set_title(f"{name}: nothing timed", fontsize=9)
+      continue
+    med = [r["time"]["median_us"] for r in rows]
+    low = [max(mm - r["time"]["p10_us"], 0) for mm, r in zip(med, rows)]
+    high = [max(r["time"]["p90_us"] - mm, 0) for mm, r in zip(med, rows)]
+    ax.barh(range(len(rows)), med, xerr=[low, high], capsize=2,
+            color=[colors.get(r["family"], "tab:purple") for r in rows])
+    ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    floors = info["floors"]
+    for key, style, label in (("hbm_floor_us", "--", "HBM floor"),
+                              ("compute_floor_us", ":", "bf16 compute floor")):
+      if floors.get(key):
+        ax.axvline(floors[key], color="k", ls=style, lw=1, label=f"{label} {floors[key]:.0f} us")
+    if info["kind"] == "decode" and floors.get("hbm_floor_us"):
+      ax.axvline(DECODE_TARGET * floors["hbm_floor_us"], color="tab:red", lw=1,
+                 label=f"target {DECODE_TARGET}x HBM floor")
+    if info["kind"] == "prefill" and floors.get("compute_floor_us"):
+      ax.axvline(floors["compute_floor_us"] / PREFILL_TARGET, color="tab:red", lw=1,
+                 label=f"target {PREFILL_TARGET:.0%} of peak")
+    for i, (mm, r) in enumerate(zip(med, rows)):
+      ax.text(r["time"]["p90_us"], i, f" {mm:.0f}", va="center", fontsize=7)
+    m, g, k, n = info["m"], info["g"], info["k"], info["n"]
+    ax.set_title(f"{name}: {m} rows x {g} groups, {k}->{n}, bf16", fontsize=9)
+    ax.set_xlabel("us per call (median, p10-p90)", fontsize=8)
+    ax.legend(fontsize=6, loc="best", framealpha=0.6)
+  for ax in list(axes.flat)[len(shapes):]:
+    ax.axis("off")
+  env = payload["environment"]
+  fig.suptitle(f"grouped GEMM on {env['device_kind']}, jax {env['jax_version']}, "
+               f"commit {str(env['git_commit'])[:10]}", fontsize=10)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+def table(payload: dict) -> str:
+  lines = [f"{'shape':20} {'method':42} {'median us':>10} {'p10-p90':>17} {'TFLOP/s':>8} "
+           f"{'xHBM':>6} {'%peak':>6}  status"]
+  for r in payload["results"]:
+    if r["status"] == "ok":
+      t = r["time"]
+      lines.append(f"{r['shape']:20} {r['label'][:42]:42} {t['median_us']:10.1f} "
+                   f"{t['p10_us']:8.1f}-{t['p90_us']:<8.1f} {r['tflops']:8.1f} "
+                   f"{r.get('x_hbm_floor', float('nan')):6.2f} "
+                   f"{100 * r.get('frac_peak', float('nan')):6.1f}  "
+                   f"ok rel_err {r['rel_err']:.1e}"
+                   + ("" if "meets_target" not in r else
+                      ("  TARGET MET" if r["meets_target"] else "  target missed")))
+    else:
+      lines.append(f"{r['shape']:20} {r['label'][:42]:42} {'':>10} {'':>17} {'':>8} {'':>6} "
+                   f"{'':>6}  {r['status']}")
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--shapes", type=csv_list(tuple(SHAPES) + tuple(QUICK_SHAPES)), default=None,
+                 help=f"comma-separated of {list(SHAPES)} (default: all; with --quick: "
+                      f"{list(QUICK_SHAPES)})")
+  p.add_argument("--quick", action="store_true",
+                 help="tiny shapes, short loops, small floors: seconds on a CPU")
+  p.add_argument("--groups", choices=("equal", "uneven"), default="equal")
+  p.add_argument("--methods", type=csv_list(METHODS), default=list(METHODS))
+  p.add_argument("--sweep", action="store_true",
+                 help="also time every candidate tile config of tokamax's sm90 kernel")
+  p.add_argument("--iters", type=int, default=40, help="long loop length (shortened to fit "
+                 "--budget-s)")
+  p.add_argument("--short-iters", type=int, default=2)
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--budget-s", type=float, default=2.0,
+                 help="seconds of timed loops per method and shape, about")
+  p.add_argument("--tolerance", type=float, default=2e-2,
+                 help="largest relative error against lax.ragged_dot (f32) that counts as ok")
+  p.add_argument("--peak-size", type=int, default=8192)
+  p.add_argument("--copy-mib", type=int, default=4096)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--git-commit", default=None,
+                 help="the commit of a copied working tree (the GPU machine's copy)")
+  p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+  args = p.parse_args(argv)
+  if args.quick:
+    args.shapes = args.shapes or list(QUICK_SHAPES)
+    args.iters, args.short_iters, args.reps, args.budget_s = 3, 1, 1, 0.5
+    args.peak_size, args.copy_mib = 256, 8
+  args.shapes = args.shapes or list(SHAPES)
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  device = jax.devices()[0]
+  mesh = Mesh(np.array([device]), ("ep",))
+  slug = device_slug(mesh).removesuffix("-x1")
+  out_json = args.out / f"grouped_gemm_{slug}.json"
+  payload = {"environment": provenance(mesh, args.git_commit),
+             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+             "tokamax": gg.tokamax_status(), "tuned_configs": gg.SM90_CONFIGS,
+             "floors": {}, "shapes": {}, "results": []}
+  payload["environment"]["tokamax"] = payload["tokamax"][1]
+  started = time.perf_counter()
+  print(f"{device.device_kind}, jax {jax.__version__}, {payload['tokamax'][1]}", flush=True)
+
+  def save():
+    args.out.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(payload, indent=1, default=str))
+
+  peak = copy = None
+  try:
+    peak = measure_peak(args.peak_size, args)
+    copy = measure_copy(args.copy_mib, args)
+    print(f"dense bf16 peak {peak['tflops']:.0f} TFLOP/s ({args.peak_size}^3, "
+          f"{peak['time']['median_us']:.0f} us); copy {copy['tb_per_s']:.2f} TB/s "
+          f"({args.copy_mib} MiB read+written)", flush=True)
+  except Exception as e:  # noqa: BLE001  (report and go on: the GEMMs still get timed)
+    traceback.print_exc()
+    payload["floors"]["error"] = f"{type(e).__name__}: {e}"
+  payload["floors"].update({"peak": peak, "copy": copy})
+  save()
+
+  for name in args.shapes:
+    m, g, k, n, kind = {**SHAPES, **QUICK_SHAPES}[name]
+    sizes = group_sizes(m, g, args.groups, args.seed)
+    x, w, gs = make_inputs(m, g, k, n, sizes, args.seed)
+    floors = shape_floors(m, g, k, n, peak, copy)
+    payload["shapes"][name] = {"m": m, "g": g, "k": k, "n": n, "kind": kind,
+                               "groups": args.groups, "group_sizes": sizes.tolist(),
+                               "floors": floors,
+                               "tuned_config": gg.tuned_config(m, k, n, g, device)}
+    ref = jax.jit(lambda a, b, c: jax.lax.ragged_dot(a, b, c, preferred_element_type=jnp.float32))(
+        x, w, gs)
+    for label, family, fn, config, note in methods_for(kind, sizes, m, k, n, args.methods,
+                                                       args.sweep, device):
+      result = {"shape": name, "label": label, "family": family, "config": config,
+                "note": note}
+      if fn is None:
+        result["status"] = f"not run: {note}"
+      else:
+        try:
+          y = jax.block_until_ready(jax.jit(fn)(x, w, gs))
+          result["rel_err"] = relative_error(y, ref)
+          del y
+          if not result["rel_err"] <= args.tolerance:
+            result["status"] = f"wrong: rel_err {result['rel_err']:.3g} > {args.tolerance}"
+          else:
+            result["time"] = time_fn(fn, (x, w, gs), (m, n), args)
+            result["status"] = "ok"
+            grade(result, floors, kind, peak)
+        except Exception as e:  # noqa: BLE001  (a config that does not compile, say)
+          result["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+      payload["results"].append(result)
+      print(table({"results": [result]}).splitlines()[-1], flush=True)
+      save()
+    del x, w, gs, ref
+  payload["elapsed_s"] = time.perf_counter() - started
+  save()
+  png = out_json.with_suffix(".png")
+  try:
+    plotted = plot(payload, png)
+  except ImportError as e:  # matplotlib is the `bench` extra
+    print(f"no plot: {e}")
+    plotted = False
+  print()
+  print(table(payload))
+  print(f"\nwrote {out_json}" + (f" and {png}" if plotted else "") +
+        f" in {payload['elapsed_s']:.0f} s")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

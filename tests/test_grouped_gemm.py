@@ -1,0 +1,303 @@
+"""jax_moe.grouped_gemm.ragged_dot against jax.lax.ragged_dot and a numpy reference.
+
+CPU: the fallback ("lax") path and "auto" (which is "lax" here) give lax.ragged_dot's result
+bit for bit, for uneven and empty groups, sum(group_sizes) < rows and > rows; bad arguments
+raise errors that name the argument; the tokamax wrapper's own logic (group clamping, zeroing
+the rows past the groups, the dispatch rule) runs against a stand-in kernel that leaves NaN
+where the real one leaves uninitialised memory.
+
+GPU (marked `gpu`, skipped without CUDA; also skipped where tokamax does not import): the
+tokamax Mosaic GPU path against lax.ragged_dot on the GPU for the same group patterns, bf16
+and f32 outputs, every tuned config, inside jit and shard_map, and the models' expert layer.
+Tolerance for bf16 inputs: both accumulate in f32, so the difference is the f32 summation
+order (K * 2^-24 * sum|x*w| per element) plus, for bf16 outputs, one bf16 rounding
+(2^-8 relative; both roundings of the same f32 value may differ by one ulp).
+"""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jax_moe import grouped_gemm as gg
+from jax_moe.sharding import shard_map
+from meshes import make_mesh
+
+# (M, group sizes): uneven, empty groups (first, middle, last), sum < M, sum > M, all empty.
+CASES = {
+    "uneven": (40, [3, 17, 1, 11, 8]),
+    "empty": (32, [0, 9, 0, 0, 23, 0]),
+    "short": (48, [5, 0, 12, 7]),            # sum 24 < 48: rows 24.. give zeros
+    "over": (16, [10, 0, 9, 4]),             # sum 23 > 16: rows past M are ignored
+    "all_empty": (8, [0, 0, 0]),
+    "one_group": (24, [24]),
+}
+
+
+def _inputs(rng, m, sizes, k=32, n=24, dtype=jnp.float32):
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((len(sizes), k, n)) / np.sqrt(k), dtype)
+    return x, w, jnp.asarray(sizes, jnp.int32)
+
+
+# ----------------------------------------------------------------------------- CPU: fallback
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("implementation", ["auto", "lax"])
+def test_matches_lax_ragged_dot_bit_for_bit(rng, case, implementation):
+    m, sizes = CASES[case]
+    x, w, gs = _inputs(rng, m, sizes)
+    got = gg.ragged_dot(x, w, gs, implementation=implementation)
+    want = jax.lax.ragged_dot(x, w, gs)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(got), gg.reference_ragged_dot(x, w, sizes),
+                               rtol=1e-5, atol=1e-5)
+    covered = min(sum(sizes), m)
+    assert not np.asarray(got)[covered:].any(), "rows past the groups must be zeros"
+
+
+@pytest.mark.parametrize("dtype,out", [(jnp.bfloat16, None), (jnp.bfloat16, jnp.float32),
+                                       (jnp.float32, jnp.bfloat16), (jnp.float16, None)])
+def test_dtypes_and_preferred_element_type_follow_lax(rng, dtype, out):
+    x, w, gs = _inputs(rng, *CASES["uneven"], dtype=dtype)
+    got = gg.ragged_dot(x, w, gs, preferred_element_type=out)
+    want = jax.lax.ragged_dot(x, w, gs, preferred_element_type=out)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_precision_is_passed_to_lax(rng):
+    x, w, gs = _inputs(rng, *CASES["uneven"])
+    got = gg.ragged_dot(x, w, gs, precision=jax.lax.Precision.HIGHEST)
+    want = jax.lax.ragged_dot(x, w, gs, precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_inside_jit_and_shard_map(rng):
+    mesh = make_mesh(4)
+    m, sizes = CASES["empty"]
+    x, w, gs = _inputs(rng, m, sizes)
+    xs, ws, gss = jnp.stack([x] * 4), jnp.stack([w] * 4), jnp.stack([gs] * 4)
+    fn = jax.jit(shard_map(lambda a, b, c: gg.ragged_dot(a[0], b[0], c[0])[None], mesh,
+                           in_specs=(P("ep"), P("ep"), P("ep")), out_specs=P("ep")))
+    got = np.asarray(fn(xs, ws, gss))
+    want = np.asarray(jax.lax.ragged_dot(x, w, gs))
+    for shard in got:
+        np.testing.assert_array_equal(shard, want)
+
+
+def test_auto_is_lax_on_cpu_and_says_why():
+    x = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4, 128, 64), jnp.bfloat16)
+    chosen, reason = gg.implementation_for(x, w, device=jax.devices("cpu")[0])
+    assert chosen == "lax" and reason
+    with pytest.raises(ValueError, match="implementation='tokamax' does not apply"):
+        gg.implementation_for(x, w, implementation="tokamax", device=jax.devices("cpu")[0])
+
+
+def test_tokamax_on_cpu_raises_clearly(rng):
+    x, w, gs = _inputs(rng, *CASES["uneven"], dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="tokamax"):
+        gg.ragged_dot(x, w, gs, implementation="tokamax")
+
+
+def test_clamp_group_sizes():
+    sizes, total = gg.clamp_group_sizes(jnp.asarray([3, -2, 9, 5, 4], jnp.int32), 10)
+    assert np.asarray(sizes).tolist() == [3, 0, 7, 0, 0] and int(total) == 10
+    sizes, total = gg.clamp_group_sizes(jnp.asarray([1, 0, 2], jnp.int16), 10)
+    assert np.asarray(sizes).tolist() == [1, 0, 2] and int(total) == 3
+
+
+# ----------------------------------------------------------------------------- CPU: bad input
+def _bad(**overrides):
+    rng = np.random.default_rng(0)
+    x, w, gs = _inputs(rng, *CASES["uneven"])
+    args = dict(lhs=x, rhs=w, group_sizes=gs)
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("overrides,error,match", [
+    (dict(lhs=jnp.zeros((40,))), ValueError, "lhs must have rank 2"),
+    (dict(rhs=jnp.zeros((32, 24))), ValueError, "rhs must have rank 3"),
+    (dict(group_sizes=jnp.zeros((5, 1), jnp.int32)), ValueError, "group_sizes must have rank 1"),
+    (dict(lhs=jnp.zeros((40, 31))), ValueError, "contraction size K"),
+    (dict(group_sizes=jnp.asarray([20, 20], jnp.int32)), ValueError,
+     "group_sizes .* one entry per group"),
+    (dict(group_sizes=jnp.asarray([8.0] * 5)), TypeError, "group_sizes must have an integer"),
+    (dict(group_sizes=[8] * 5), TypeError, "group_sizes must be an array"),
+    (dict(lhs=jnp.zeros((40, 32), jnp.int32)), TypeError, "lhs must have a floating dtype"),
+])
+def test_bad_arguments_name_the_argument(overrides, error, match):
+    args = _bad(**overrides)
+    with pytest.raises(error, match=match):
+        gg.ragged_dot(args["lhs"], args["rhs"], args["group_sizes"])
+
+
+def test_bad_implementation_and_preferred_type():
+    args = _bad()
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        gg.ragged_dot(args["lhs"], args["rhs"], args["group_sizes"], implementation="cutlass")
+    with pytest.raises(TypeError, match="preferred_element_type"):
+        gg.ragged_dot(args["lhs"], args["rhs"], args["group_sizes"],
+                      preferred_element_type="not-a-dtype")
+
+
+# ------------------------------------------------- CPU: the tokamax wrapper on a stand-in kernel
+@pytest.fixture
+def stand_in_kernel(monkeypatch):
+    """Pretend to be a Hopper GPU with tokamax: the 'kernel' is lax.ragged_dot with NaN in every
+    row past the groups it was given (where the real kernel leaves uninitialised memory)."""
+    calls = []
+
+    def fake_ragged_dot(lhs, rhs, sizes, *, preferred_element_type, implementation):
+        calls.append((np.asarray(sizes).tolist(), implementation[0].config))
+        out = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=preferred_element_type)
+        rows = jnp.arange(lhs.shape[0])[:, None]
+        return jnp.where(rows < jnp.sum(sizes), out, jnp.nan).astype(out.dtype)
+
+    class FakeOp:
+        def __init__(self, config=None):
+            self.config = config
+
+    fake_pmg = types.SimpleNamespace(
+        PallasMosaicGpuRaggedDot=FakeOp, Config=lambda **kw: kw,
+        common=types.SimpleNamespace(MatmulDimension=int))
+    fake_tokamax = types.SimpleNamespace(ragged_dot=fake_ragged_dot, __version__="stand-in")
+    monkeypatch.setattr(gg, "_tokamax", lambda: ((fake_tokamax, fake_pmg), None))
+    monkeypatch.setattr(gg, "_is_hopper", lambda device: True)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["uneven", "empty", "short", "over", "all_empty"])
+def test_tokamax_wrapper_zeroes_the_tail_and_clamps(rng, stand_in_kernel, case):
+    m, sizes = CASES[case]
+    x, w, gs = _inputs(rng, m, sizes, k=128, n=64, dtype=jnp.bfloat16)
+    got = gg.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)
+    assert stand_in_kernel, "auto should take the tokamax path on a (stand-in) Hopper GPU"
+    passed_sizes = stand_in_kernel[-1][0]
+    assert sum(passed_sizes) == min(sum(sizes), m)
+    want = jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_tokamax_wrapper_dispatch_rule(rng, stand_in_kernel):
+    m, sizes = CASES["uneven"]
+    x, w, gs = _inputs(rng, m, sizes, k=128, n=64, dtype=jnp.bfloat16)
+    for kwargs in (dict(precision=jax.lax.Precision.HIGHEST),
+                   dict(preferred_element_type=jnp.float64 if jax.config.x64_enabled
+                        else jnp.int32)):
+        chosen, reason = gg.implementation_for(x, w, **kwargs)
+        assert chosen == "lax", reason
+    assert gg.implementation_for(x.astype(jnp.float32), w)[0] == "lax"          # f32 inputs
+    assert gg.implementation_for(x[:, :96], w[:, :96])[0] == "lax"              # K % 128
+    assert gg.implementation_for(x, w[:, :, :40])[0] == "lax"                   # N % 64
+    assert gg.implementation_for(x, w)[0] == "tokamax"
+    gg.ragged_dot(x, w, gs)
+    assert stand_in_kernel[-1][1] == gg.tuned_config(m, 128, 64, len(sizes))
+
+
+# ----------------------------------------------------------------------------------- GPU
+def _needs_tokamax():
+    available, reason = gg.tokamax_status()
+    if not available:
+        pytest.skip(reason)
+    device = jax.devices()[0]
+    if not gg._is_hopper(device):
+        pytest.skip(f"{device.device_kind} is not a Hopper GPU")
+
+
+def _assert_close(got, want, x, w, sizes, out_dtype):
+    """Within the f32 summation-order bound, plus one bf16 rounding for bf16 outputs."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    magnitude = gg.reference_ragged_dot(np.abs(np.asarray(x, np.float64)),
+                                        np.abs(np.asarray(w, np.float64)), sizes)
+    bound = x.shape[1] * 2.0 ** -24 * magnitude
+    if jnp.dtype(out_dtype) != jnp.float32:
+        bound = bound + 2.0 ** -8 * np.abs(want) + 1e-30
+    excess = np.abs(got - want) - bound
+    assert (excess <= 0).all(), f"max excess {excess.max():.3g} at {np.unravel_index(excess.argmax(), excess.shape)}"
+
+
+GPU_CASES = {
+    "uneven": (1000, [3, 170, 1, 0, 411, 88, 0, 327]),      # empty groups, sum 1000 = M
+    "short": (1024, [64, 0, 129, 7, 0, 300, 0, 1]),         # sum 501 < 1024
+    "decode": (64, [1, 0, 5, 2, 0, 0, 9, 3]),               # few rows per group
+    "over": (256, [200, 0, 90, 40, 0, 0, 0, 0]),            # sum 330 > 256
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_tokamax_matches_lax(rng, case, out_dtype):
+    _needs_tokamax()
+    m, sizes = GPU_CASES[case]
+    x, w, gs = _inputs(rng, m, sizes, k=512, n=256, dtype=jnp.bfloat16)
+    assert gg.implementation_for(x, w, preferred_element_type=out_dtype)[0] == "tokamax"
+    want = jax.jit(lambda a, b, c: jax.lax.ragged_dot(a, b, c, preferred_element_type=out_dtype))(
+        x, w, gs)
+    for impl in ("auto", "tokamax"):
+        got = jax.jit(lambda a, b, c: gg.ragged_dot(a, b, c, preferred_element_type=out_dtype,
+                                                    implementation=impl))(x, w, gs)
+        assert got.dtype == want.dtype
+        _assert_close(got, want, x, w, sizes, out_dtype)
+        assert not np.asarray(got, np.float32)[min(sum(sizes), m):].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config_name", ["heuristics", *sorted(gg.SM90_CONFIGS)])
+def test_gpu_every_tuned_config_matches_lax(rng, config_name):
+    _needs_tokamax()
+    config = None if config_name == "heuristics" else gg.SM90_CONFIGS[config_name]
+    for case in ("uneven", "short"):
+        m, sizes = GPU_CASES[case]
+        x, w, gs = _inputs(rng, m, sizes, k=512, n=256, dtype=jnp.bfloat16)
+        got = jax.jit(lambda a, b, c: gg.tokamax_ragged_dot(a, b, c, config=config))(x, w, gs)
+        want = jax.lax.ragged_dot(x, w, gs)
+        _assert_close(got, want, x, w, sizes, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_inside_shard_map(rng):
+    _needs_tokamax()
+    mesh = make_mesh(1)
+    m, sizes = GPU_CASES["uneven"]
+    x, w, gs = _inputs(rng, m, sizes, k=256, n=128, dtype=jnp.bfloat16)
+    fn = jax.jit(shard_map(lambda a, b, c: gg.ragged_dot(a[0], b[0], c[0])[None], mesh,
+                           in_specs=(P("ep"), P("ep"), P("ep")), out_specs=P("ep")))
+    got = fn(x[None], w[None], gs[None])[0]
+    _assert_close(got, jax.lax.ragged_dot(x, w, gs), x, w, sizes, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_models_expert_layer_with_tokamax(monkeypatch):
+    """RoutedExperts (bf16, 1 GPU, xla backend) gives the same output through tokamax as
+    through lax.ragged_dot, within the bf16 rounding of the hidden activation and output."""
+    _needs_tokamax()
+    from flax import nnx
+    from jax_moe.models import moe
+    from jax_moe.models.moe import CommunicatorPool, RoutedExperts
+    from jax_moe.models.sharding import ShardingRules
+
+    E, D, F, K, T = 8, 256, 128, 2, 64
+    rules = ShardingRules(make_mesh(1))
+    layer = RoutedExperts(E, D, F, experts_per_token=K, rules=rules,
+                          pool=CommunicatorPool(rules, "xla"), dtype=jnp.bfloat16, wire="bf16")
+    rng = np.random.default_rng(1)
+    _, state = nnx.split(layer)
+    for _, variable in nnx.to_flat_state(state):
+        shape = variable.get_value().shape
+        variable.set_value(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[1]),
+                                       jnp.bfloat16))
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.permutation(E)[:K] for _ in range(T)]), jnp.int32)
+    weights = jnp.full((T, K), 1.0 / K, jnp.float32)
+    outs = {}
+    for impl in ("lax", "auto"):
+        monkeypatch.setattr(moe, "GEMM_IMPLEMENTATION", impl)
+        outs[impl] = np.asarray(layer(x, ids, weights), np.float32)
+    scale = np.abs(outs["lax"]).max()
+    np.testing.assert_allclose(outs["auto"], outs["lax"], atol=2.0 ** -6 * scale)
