@@ -10,6 +10,9 @@
 #   quant    tests/test_quantization.py on the GPU (quantize_fp8 must match the spec there)
 #   cmdbuf   tests/gpu/test_cuda_backend.py with XLA command buffers off, then forced on for custom calls
 #   bench    bench_dispatch_combine.py for the cuda backend at decode and prefill sizes
+#   ep1      on one GPU: bench_dispatch_combine.py --ep 1 (cuda and xla backends, the all_gather
+#            peer; expert mode with bf16 partials, source mode) and profile_kernels.py per
+#            kernel at decode and prefill (fp8, expert, bf16 partials); GIT_COMMIT names the code
 #   allreduce  tests/gpu/test_all_reduce_gpu.py (1 and 2 GPUs in one process; the loop tests again
 #            with command buffers forced on for custom calls) and the 2-process job
 #   arbench  bench_all_reduce.py, bf16, 4 KiB..64 MiB, every method; GIT_COMMIT names the code
@@ -74,6 +77,23 @@ for step in "${steps[@]}"; do
       echo "bench: rc=$?"
       cp /tmp/jax_moe_bench/*.json "$logs/" 2>/dev/null
       tail -30 "$logs/bench.log" ;;
+    ep1)
+      for reduce in "expert --partial-dtype bf16" "source"; do
+        # shellcheck disable=SC2086
+        timeout -s KILL 200 python3 benchmarks/bench_dispatch_combine.py --ep 1 \
+          --backends cuda,xla --peers all_gather --ops fused,split --reduce ${reduce%% *} \
+          ${reduce#"${reduce%% *}"} --reps 3 --budget-s 4 --git-commit "${GIT_COMMIT:-unknown}" \
+          --out "$logs/bench-${reduce%% *}" > "$logs/bench_ep1_${reduce%% *}.log" 2>&1
+        echo "bench ep1 ${reduce%% *}: rc=$?"
+        tail -26 "$logs/bench_ep1_${reduce%% *}.log"
+      done
+      for tokens in 128 4096; do
+        timeout -s KILL 90 python3 benchmarks/profile_kernels.py --ep 1 --tokens $tokens \
+          --dispatch-dtype fp8 --reduce expert --partial-dtype bf16 \
+          --json "$logs/profile_ep1_$tokens.json" > "$logs/profile_ep1_$tokens.log" 2>&1
+        echo "profile ep1 $tokens tokens: rc=$?"
+        tail -12 "$logs/profile_ep1_$tokens.log"
+      done ;;
     allreduce)
       suite all_reduce_gpu 240 -rs tests/gpu/test_all_reduce_gpu.py
       XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \

@@ -91,10 +91,12 @@ def _combine_check(ctx: Context, roundings: int):
 
 # ------------------------------------------------------------------ jax_moe backends
 def identity_expert(r: jm.Dispatched) -> jax.Array:
-  """y = the dispatched rows, dequantized and cast to the combine dtype (bf16)."""
-  if r.scales is None:
-    return r.x.astype(jnp.bfloat16)
-  return jm.dequantize_fp8(r.x, r.scales, jnp.bfloat16)
+  """y = the dispatched rows, dequantized and cast to the combine dtype (bf16), behind
+  optimization barriers: a real expert is a grouped GEMM that XLA cannot fuse into the
+  exchange's gathers or scatters, so neither may this stand-in (peers._identity_expert too)."""
+  x, scales = jax.lax.optimization_barrier((r.x, r.scales))
+  y = x.astype(jnp.bfloat16) if scales is None else jm.dequantize_fp8(x, scales, jnp.bfloat16)
+  return jax.lax.optimization_barrier(y)
 
 
 def make_communicator(ctx: Context, backend: str, reduce: str, partial_dtype: str,

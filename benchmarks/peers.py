@@ -27,11 +27,13 @@ def _wire_rows(shape: Shape, x) -> tuple[jax.Array, jax.Array | None]:
 
 
 def _identity_expert(rows: jax.Array, scales: jax.Array | None) -> jax.Array:
-  """The expert output of received rows: dequantized, bf16. Zero rows stay zero."""
+  """The expert output of received rows: dequantized, bf16. Zero rows stay zero. Behind
+  optimization barriers, like methods.identity_expert (a real expert does not fuse)."""
+  rows, scales = jax.lax.optimization_barrier((rows, scales))
   if scales is None:
-    return rows.astype(jnp.bfloat16)
+    return jax.lax.optimization_barrier(rows.astype(jnp.bfloat16))
   q = jax.lax.bitcast_convert_type(rows, jnp.float8_e4m3fn)
-  return jm.dequantize_fp8(q, scales, jnp.bfloat16)
+  return jax.lax.optimization_barrier(jm.dequantize_fp8(q, scales, jnp.bfloat16))
 
 
 def _valid(shape: Shape, topk_ids: jax.Array) -> jax.Array:

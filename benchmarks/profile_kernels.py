@@ -34,6 +34,8 @@ def parse_args():
   p.add_argument("--tokens", type=int, default=128, help="tokens per rank")
   p.add_argument("--dispatch-dtype", choices=("fp8", "bf16"), default="fp8")
   p.add_argument("--reduce", choices=("source", "expert"), default="source")
+  p.add_argument("--partial-dtype", choices=("f32", "bf16"), default="f32",
+                 help="expert mode: dtype of the partial sums on the wire")
   p.add_argument("--backend", default="cuda")
   p.add_argument("--ep", type=int, default=None, help="use the first N devices (default all)")
   p.add_argument("--iters", type=int, default=20)
@@ -48,7 +50,8 @@ def main():
   mesh = Mesh(np.array(devices), ("ep",))
   cfg = jm.MoEConfig(a.experts, a.topk, a.hidden, a.tokens,
                      dispatch_dtype=jnp.float8_e4m3fn if a.dispatch_dtype == "fp8" else jnp.bfloat16,
-                     combine_reduce=a.reduce)
+                     combine_reduce=a.reduce,
+                     partial_dtype=jnp.bfloat16 if a.partial_dtype == "bf16" else jnp.float32)
   comm = jm.Communicator(cfg, mesh, "ep", backend=a.backend)
 
   rng = np.random.default_rng(0)

@@ -1,12 +1,17 @@
-// Combine over NVLink: combine_send (expert rank) returns each dispatched row, or in "expert"
-// mode one weighted partial per (source, token), into the source's combine region;
-// combine_recv (source rank) waits for every rank and sums in the reference order.
-// Buffer layout: cuda/layout.cuh.
+// Combine over NVLink, one kernel with a send phase and a receive phase (the fused op runs
+// both, combine_send / combine_recv one each). Protocol and buffer layout:
+// cuda/nvlink_layout.cuh; the sums: docs/semantics.md.
+//
+// Send (every rank, as the expert rank): per chunk of tokens of every source, each dispatched
+// row ("source" mode), or one weighted partial per (source, token) ("expert" mode), goes to
+// the source's combine region; then comb_flag of the chunk is raised on every rank.
+// Receive (every rank, as the source): per chunk, waits for every rank's flag of that chunk
+// and sums its tokens in the reference order.
 #include <algorithm>
 
 #include "cuda/api.cuh"
+#include "cuda/exchange.cuh"
 #include "cuda/rows.cuh"
-#include "cuda/sync.cuh"
 
 namespace jax_moe {
 namespace {
@@ -14,136 +19,136 @@ namespace {
 constexpr int kBatch = 8;  // rows loaded before they are summed (memory-level parallelism)
 constexpr int kChunksPerLane = 2;  // vectors one lane sums at once (loads in flight x2)
 
-// Source mode: one warp per slot (s, t, k) held here; y[row] goes to comb[t][k] on source s
-// (zeros for a slot dropped by capacity overflow, so it adds nothing there).
-// Expert mode: one warp per (s, t) with a slot here and part of hidden (`parts` per row, so
-// that a decode-sized call spreads over every warp of the grid); p = sum in k order of
-// w * y[row] in f32, stored in partial dtype at part[this rank][t] on source s.
-// The last block publishes the sequence to every rank.
-__global__ void __launch_bounds__(kThreads)
-combine_send_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
-                    const float* row_weights, int32_t* done, int parts) {
+// Pieces a row of H/8 vectors is cut into so that `items` warp tasks keep the block busy
+// (>= 32 vectors a piece).
+__device__ inline int hidden_parts(const MoeDims& d, int items) {
+  const int want = items > 0 ? (kExchangeWarps + items - 1) / items : 1;
+  return max(1, min(want, d.hidden / 8 / 32));
+}
+
+// Source mode, one chunk: one warp per (source s, token t, slot k, part of hidden) held here:
+// y[row] to comb[t][k] on s (zeros for a slot dropped by capacity overflow, so it adds nothing
+// there).
+__device__ void send_rows(const CommView& v, const NvlinkLayout& lay, uint64_t seq,
+                          const uint4* y, const int32_t* slot_rows, int t0, int t1) {
   const MoeDims& d = v.dims;
-  const BufferLayout lay = buffer_layout(d);
-  const int R = d.world, T = d.max_tokens, K = d.topk, C = d.capacity, me = d.rank;
-  const int chunks = d.hidden / 8;  // 16-byte vectors of bf16 per row
-  const uint64_t seq = v.counters->combine_seq + 1;
-  // Never overwrite a combine region its source has not consumed yet.
-  block_wait_all(v, v.local, lay.combine_ack, seq - 1, kStageCombineSend);
-  const int lane = lane_id();
-
-  if (!d.reduce_expert) {
-    for (int task = global_warp(); task < R * T * K; task += global_warps()) {
-      const int row = slot_rows[task];
-      if (row == -1) continue;
-      const int s = task / (T * K), slot = task % (T * K);
-      uint4* dst = reinterpret_cast<uint4*>(v.peers[s] + lay.combine) + size_t(slot) * chunks;
-      if (row >= 0 && row < C) {
-        const uint4* src = y + size_t(row) * chunks;
-        warp_copy(0, chunks, [&](int c) { return src[c]; },
-                  [&](int c, uint4 value) { dst[c] = value; });
-      } else {
-        for (int c = lane; c < chunks; c += 32) dst[c] = make_uint4(0, 0, 0, 0);
-      }
+  const int T = d.max_tokens, K = d.topk, C = d.capacity, chunks = d.hidden / 8;
+  const int tokens = t1 - t0, items = d.world * tokens * K;
+  const int parts = hidden_parts(d, items);
+  for (int task = block_warp(); task < items * parts; task += kExchangeWarps) {
+    const int item = task / parts, part = task % parts;
+    const int s = item / (tokens * K), t = t0 + item / K % tokens, k = item % K;
+    const int row = slot_rows[(size_t(s) * T + t) * K + k];
+    if (row == -1) continue;
+    uint4* dst = reinterpret_cast<uint4*>(parity_region(v.peers[s], lay, seq) + lay.combine) +
+                 (size_t(t) * K + k) * chunks;
+    const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
+    if (row >= 0 && row < C) {
+      const uint4* src = y + size_t(row) * chunks;
+      warp_copy(begin, end, [&](int c) { return src[c]; },
+                [&](int c, uint4 value) { dst[c] = value; });
+    } else {
+      for (int c = begin + lane_id(); c < end; c += 32) dst[c] = make_uint4(0, 0, 0, 0);
     }
-  } else {
-    // Rows of the slots of (s, t) that have one here, compacted in k order, and their weights.
-    __shared__ int32_t warp_rows[kWarps][32];
-    __shared__ float warp_weights[kWarps][32];
-    const int warp = threadIdx.x / 32;
-    const size_t pbytes = partial_bytes(d);
-    for (int task = global_warp(); task < R * T * parts; task += global_warps()) {
-      const int item = task / parts, part = task % parts;  // item = s * T + t
-      int row = lane < K ? slot_rows[size_t(item) * K + lane] : -1;
-      if (row >= C || row < -1) row = -2;  // held here but no row: contributes nothing
-      if (!__ballot_sync(kFullMask, row != -1)) continue;
-      const unsigned with_row = __ballot_sync(kFullMask, row >= 0);
-      const int rows_here = __popc(with_row);
-      if (row >= 0) {
-        const int i = __popc(with_row & ((1u << lane) - 1));  // k order kept
-        warp_rows[warp][i] = row;
-        warp_weights[warp][i] = row_weights[row];
-      }
-      __syncwarp();
-      const int s = item / T, t = item % T;
-      char* dst = v.peers[s] + lay.combine + (size_t(me) * T + t) * d.hidden * pbytes;
-      const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
-      // Each lane sums kChunksPerLane vectors at once: up to kBatch * kChunksPerLane loads in
-      // flight before the sums, which run in k order for every element.
-      for (int c0 = begin + lane; c0 < end; c0 += 32 * kChunksPerLane) {
-        float acc[kChunksPerLane][8];
-#pragma unroll
-        for (int j = 0; j < kChunksPerLane; ++j)
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
-        for (int i0 = 0; i0 < rows_here; i0 += kBatch) {
-          uint4 rows[kBatch][kChunksPerLane];
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            if (i0 + u >= rows_here) continue;
-            const uint4* src = y + size_t(warp_rows[warp][i0 + u]) * chunks;
-#pragma unroll
-            for (int j = 0; j < kChunksPerLane; ++j)
-              if (c0 + 32 * j < end) rows[u][j] = src[c0 + 32 * j];
-          }
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            if (i0 + u >= rows_here) continue;
-            const float w = warp_weights[warp][i0 + u];
-#pragma unroll
-            for (int j = 0; j < kChunksPerLane; ++j) {
-              if (c0 + 32 * j >= end) continue;
-              float f[8];
-              bf16x8_to_f32(rows[u][j], f);
-              accumulate_scaled(acc[j], w, f);
-            }
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kChunksPerLane; ++j) {
-          const int c = c0 + 32 * j;
-          if (c >= end) continue;
-          if (d.partial_bf16) {
-            reinterpret_cast<uint4*>(dst)[c] = f32_to_bf16x8(acc[j]);
-          } else {
-            float4* out = reinterpret_cast<float4*>(dst) + 2 * c;
-            out[0] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-            out[1] = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
-          }
-        }
-      }
-      __syncwarp();
-    }
-  }
-
-  if (blockIdx.x == 0 && threadIdx.x == 0) *done = 0;
-  if (last_block_done(v, kDoneCombineSend) && threadIdx.x == 0) {
-    for (int p = 0; p < R; ++p) store_release_sys(flag_at(v.peers[p], lay.combine_flag, me), seq);
-    v.counters->combine_seq = seq;
   }
 }
 
-// One warp per (token t, part of hidden): waits for every rank, then out[t] = bf16(sum in
-// f32) over its valid slots in k order (source mode) or over the ranks holding one of its
-// slots in rank order (expert mode). Tokens with no valid slot (and t >= num_tokens) come out
-// zero. The last block acknowledges every rank: this rank's combine region may be overwritten.
-__global__ void __launch_bounds__(kThreads)
-combine_recv_kernel(CommView v, const int32_t* send_dest, const float* topk_weights,
-                    uint4* out, int parts) {
+// Expert mode, one chunk: one warp per (source s, token t with a slot here, part of hidden):
+// p = sum in k order of w * y[row] in f32, stored in the partial dtype at part[this rank][t]
+// on s.
+__device__ void send_partials(const CommView& v, const NvlinkLayout& lay, uint64_t seq,
+                              const uint4* y, const int32_t* slot_rows,
+                              const float* row_weights, int t0, int t1) {
   const MoeDims& d = v.dims;
-  const BufferLayout lay = buffer_layout(d);
-  const int R = d.world, T = d.max_tokens, K = d.topk, me = d.rank;
-  const int chunks = d.hidden / 8;
-  const uint64_t seq = v.counters->combine_seq;
-  block_wait_all(v, v.local, lay.combine_flag, seq, kStageCombineRecv);
+  const int T = d.max_tokens, K = d.topk, C = d.capacity, me = d.rank, chunks = d.hidden / 8;
+  const int lane = lane_id(), warp = block_warp();
+  const int tokens = t1 - t0, items = d.world * tokens;
+  const int parts = hidden_parts(d, items);
+  const size_t pbytes = partial_bytes(d);
+  // Rows of the slots of (s, t) that have one here, compacted in k order, and their weights.
+  __shared__ int32_t warp_rows[kExchangeWarps][32];
+  __shared__ float warp_weights[kExchangeWarps][32];
+  for (int task = warp; task < items * parts; task += kExchangeWarps) {
+    const int item = task / parts, part = task % parts;
+    const int s = item / tokens, t = t0 + item % tokens;
+    int row = lane < K ? slot_rows[(size_t(s) * T + t) * K + lane] : -1;
+    if (row >= C || row < -1) row = -2;  // held here but no row: contributes nothing
+    if (!__ballot_sync(kFullMask, row != -1)) continue;
+    const unsigned with_row = __ballot_sync(kFullMask, row >= 0);
+    const int rows_here = __popc(with_row);
+    if (row >= 0) {
+      const int i = __popc(with_row & ((1u << lane) - 1));  // k order kept
+      warp_rows[warp][i] = row;
+      warp_weights[warp][i] = row_weights[row];
+    }
+    __syncwarp();
+    char* dst = parity_region(v.peers[s], lay, seq) + lay.combine +
+                (size_t(me) * T + t) * d.hidden * pbytes;
+    const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
+    // Each lane sums kChunksPerLane vectors at once: up to kBatch * kChunksPerLane loads in
+    // flight before the sums, which run in k order for every element.
+    for (int c0 = begin + lane; c0 < end; c0 += 32 * kChunksPerLane) {
+      float acc[kChunksPerLane][8];
+#pragma unroll
+      for (int j = 0; j < kChunksPerLane; ++j)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
+      for (int i0 = 0; i0 < rows_here; i0 += kBatch) {
+        uint4 rows[kBatch][kChunksPerLane];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (i0 + u >= rows_here) continue;
+          const uint4* src = y + size_t(warp_rows[warp][i0 + u]) * chunks;
+#pragma unroll
+          for (int j = 0; j < kChunksPerLane; ++j)
+            if (c0 + 32 * j < end) rows[u][j] = src[c0 + 32 * j];
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (i0 + u >= rows_here) continue;
+          const float w = warp_weights[warp][i0 + u];
+#pragma unroll
+          for (int j = 0; j < kChunksPerLane; ++j) {
+            if (c0 + 32 * j >= end) continue;
+            float f[8];
+            bf16x8_to_f32(rows[u][j], f);
+            accumulate_scaled(acc[j], w, f);
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kChunksPerLane; ++j) {
+        const int c = c0 + 32 * j;
+        if (c >= end) continue;
+        if (d.partial_bf16) {
+          reinterpret_cast<uint4*>(dst)[c] = f32_to_bf16x8(acc[j]);
+        } else {
+          float4* out = reinterpret_cast<float4*>(dst) + 2 * c;
+          out[0] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+          out[1] = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
+        }
+      }
+    }
+    __syncwarp();
+  }
+}
 
-  __shared__ int32_t warp_dest[kWarps][32];
-  __shared__ float warp_weights[kWarps][32];
-  const int lane = lane_id();
-  const int warp = threadIdx.x / 32;
-  const uint4* comb = reinterpret_cast<const uint4*>(v.local + lay.combine);
-  for (int task = global_warp(); task < T * parts; task += global_warps()) {
-    const int t = task / parts, part = task % parts;
+// Receive, one chunk: one warp per (token t, part of hidden): out[t] = bf16(sum in f32) over
+// its valid slots in k order (source mode) or over the ranks holding one of its slots in rank
+// order (expert mode). Tokens with no valid slot (and t >= num_tokens) come out zero.
+__device__ void sum_chunk(const CommView& v, const char* region, const NvlinkLayout& lay,
+                          const int32_t* send_dest, const float* topk_weights, uint4* out,
+                          int t0, int t1) {
+  const MoeDims& d = v.dims;
+  const int R = d.world, T = d.max_tokens, K = d.topk, chunks = d.hidden / 8;
+  const int lane = lane_id(), warp = block_warp();
+  const int tokens = t1 - t0;
+  const int parts = hidden_parts(d, tokens);
+  __shared__ int32_t warp_dest[kExchangeWarps][32];
+  __shared__ float warp_weights[kExchangeWarps][32];
+  const uint4* comb = reinterpret_cast<const uint4*>(region + lay.combine);
+  for (int task = warp; task < tokens * parts; task += kExchangeWarps) {
+    const int t = t0 + task / parts, part = task % parts;
     int dest = lane < K ? send_dest[t * K + lane] : -1;
     if (dest < 0 || dest >= R) dest = -1;
     warp_dest[warp][lane] = dest;
@@ -214,36 +219,48 @@ combine_recv_kernel(CommView v, const int32_t* send_dest, const float* topk_weig
     }
     __syncwarp();
   }
+}
 
-  if (last_block_done(v, kDoneCombineRecv) && threadIdx.x == 0) {
-    for (int p = 0; p < R; ++p) store_release_sys(flag_at(v.peers[p], lay.combine_ack, me), seq);
+// Block b handles chunks b, b + grid, ... of each phase it runs.
+__global__ void __launch_bounds__(kExchangeThreads, 1)
+combine_kernel(CommView v, int phases, const uint4* y, const int32_t* slot_rows,
+               const float* row_weights, int32_t* done, const int32_t* send_dest,
+               const float* topk_weights, uint4* out) {
+  const MoeDims& d = v.dims;
+  const NvlinkLayout lay = nvlink_layout(d, v.chunks);
+  if (phases & kPhaseSend) {
+    const uint64_t seq = chunk_seq(v, kSeqCombineSend, blockIdx.x);
+    if (done && blockIdx.x == 0 && threadIdx.x == 0) *done = 0;
+    for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
+      const int t0 = chunk_begin(v, c), t1 = chunk_begin(v, c + 1);
+      if (d.reduce_expert) send_partials(v, lay, seq, y, slot_rows, row_weights, t0, t1);
+      else send_rows(v, lay, seq, y, slot_rows, t0, t1);
+      signal_peers(v, lay.comb_flag, d.rank * v.chunks + c, seq);
+      finish_chunk(v, kSeqCombineSend, c, seq);
+    }
+  }
+  if (phases & kPhaseRecv) {
+    const uint64_t seq = chunk_seq(v, kSeqCombineRecv, blockIdx.x);
+    const char* region = parity_region(v.local, lay, seq);
+    for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
+      if (!wait_peers(v, lay.comb_flag, v.chunks, c, seq, kStageCombineRecv)) return;
+      sum_chunk(v, region, lay, send_dest, topk_weights, out, chunk_begin(v, c),
+                chunk_begin(v, c + 1));
+      __syncthreads();
+      finish_chunk(v, kSeqCombineRecv, c, seq);
+    }
   }
 }
 
 }  // namespace
 
-cudaError_t launch_combine_send(const CommView& view, const void* y, const int32_t* slot_rows,
-                                const float* row_weights, int32_t* done, cudaStream_t stream) {
-  const MoeDims& d = view.dims;
-  // Expert mode splits each (source, token) along hidden, at most 8 parts of >= 32 vectors.
-  const int parts = d.reduce_expert ? parts_per_item(d.world * d.max_tokens,
-                                                     std::max(1, std::min(8, d.hidden / 8 / 32)),
-                                                     view.max_blocks)
-                                    : 1;
-  const int tasks = d.reduce_expert ? d.world * d.max_tokens * parts
-                                    : d.world * d.max_tokens * d.topk;
-  combine_send_kernel<<<grid_for(tasks, view.max_blocks), kThreads, 0, stream>>>(
-      view, static_cast<const uint4*>(y), slot_rows, row_weights, done, parts);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_combine_recv(const CommView& view, const int32_t* send_dest,
-                                const float* topk_weights, void* out, cudaStream_t stream) {
-  const MoeDims& d = view.dims;
-  const int parts = parts_per_item(d.max_tokens, std::max(1, std::min(8, d.hidden / 8 / 32)),
-                                   view.max_blocks);
-  combine_recv_kernel<<<grid_for(d.max_tokens * parts, view.max_blocks), kThreads, 0, stream>>>(
-      view, send_dest, topk_weights, static_cast<uint4*>(out), parts);
+cudaError_t launch_combine(const CommView& view, int phases, const void* y,
+                           const int32_t* slot_rows, const float* row_weights, int32_t* done,
+                           const int32_t* send_dest, const float* topk_weights, void* out,
+                           cudaStream_t stream) {
+  combine_kernel<<<view.grid, kExchangeThreads, 0, stream>>>(
+      view, phases, static_cast<const uint4*>(y), slot_rows, row_weights, done, send_dest,
+      topk_weights, static_cast<uint4*>(out));
   return cudaGetLastError();
 }
 

@@ -1,5 +1,6 @@
-// Sizes and buffer layout of one rank of the CUDA dispatch/combine, shared by the kernels
-// (cuda/*.cu) and the host state (ffi/cuda/state.cc). Header-only, no XLA types.
+// Sizes of one rank of a dispatch/combine communicator, its error record and counters, and the
+// buffer layout of the host protocol (the host backend and the cuda backend's host proxies;
+// the NVLink kernels' layout is cuda/nvlink_layout.cuh). Header-only, no XLA types.
 #pragma once
 
 #include <cstddef>
@@ -68,22 +69,17 @@ struct ProxyDoorbell {
 };
 
 // Per-device bookkeeping in device memory, touched only by this device's kernels.
+// (The NVLink dispatch/combine keep per-chunk sequences instead: cuda/nvlink_layout.cuh.)
 struct DeviceCounters {
-  uint64_t dispatch_seq;     // sequence of the last dispatch_send (advanced by its last block)
-  uint64_t combine_seq;      // sequence of the last combine_send
   uint64_t all_reduce_seq;   // sequence of the last all-reduce (advanced by its last block)
   uint64_t proxy_seq;        // sequence of the last request rung on the proxy's doorbell
-  uint32_t blocks_done[5];   // last-block-done counters, one per kernel that publishes (see kDone*)
+  uint32_t blocks_done[1];   // last-block-done counters, one per kernel that publishes (see kDone*)
   int32_t error_claimed;     // 0 until a kernel claims the error record (first error wins)
   int32_t aborted;           // set on a timeout so every other waiter gives up at once
 };
 
 enum DoneCounter : int {
-  kDoneDispatchSend = 0,
-  kDoneDispatchPlace = 1,
-  kDoneCombineSend = 2,
-  kDoneCombineRecv = 3,
-  kDoneAllReduce = 4,
+  kDoneAllReduce = 0,
 };
 
 JAX_MOE_HD inline size_t align_up(size_t value, size_t alignment) {
@@ -100,7 +96,8 @@ JAX_MOE_HD inline size_t token_bytes(const MoeDims& d) {
 
 JAX_MOE_HD inline size_t partial_bytes(const MoeDims& d) { return d.partial_bf16 ? 2 : 4; }
 
-// Byte offsets inside the buffer of one rank (one allocation, mapped by every peer):
+// The host protocol (ffi/host/exchange.cc): byte offsets inside the buffer of one rank (one
+// allocation, written by every peer):
 //   u64 dispatch_flag[R]      source s stores its dispatch sequence at [s] after its rows
 //   u64 dispatch_ack[R]       destination d stores the dispatch sequence it consumed at [d]
 //   u64 combine_flag[R]       expert rank d stores its combine sequence at [d] after its rows
@@ -143,23 +140,17 @@ JAX_MOE_HD inline BufferLayout buffer_layout(const MoeDims& d) {
   return b;
 }
 
-// Shared memory of the dispatch_recv placement kernel: first row per (source, expert), then
-// segment start, tokens and size per expert, then tokens per source (int32 each).
-JAX_MOE_HD inline size_t place_smem_bytes(const MoeDims& d) {
-  return 4 * (size_t(d.world) * d.local_experts + 3 * size_t(d.local_experts) + d.world);
-}
-
 // Everything a kernel needs to reach this rank's state and its peers' buffers.
 struct CommView {
   MoeDims dims;
-  char* local;               // this rank's buffer (buffer_layout)
+  char* local;               // this rank's buffer (nvlink_layout, or all_reduce_layout)
   char* const* peers;        // device array [R]: every rank's buffer as mapped on this device
   DeviceCounters* counters;  // device memory
   ErrorRecord* error;        // device pointer to the mapped host record
-  int32_t* expert_counts;    // scratch [R][L]: rows of source s for local expert e
-  int32_t* slot_rank;        // scratch [R][T][K]: rank of slot (s, t, k) inside its (s, e) run
+  uint64_t* chunk_seq;       // device memory [kChunkCounters][chunks] (nvlink_layout.cuh)
   uint64_t timeout_ns;       // every spin-wait gives up after this long
-  int max_blocks;            // grid cap, leaves SMs for other streams
+  int chunks;                // token chunks of the NVLink protocol, equal on every rank
+  int grid;                  // blocks of a dispatch/combine launch (<= chunks), MoEConfig.num_sms
 };
 
 }  // namespace jax_moe

@@ -65,14 +65,6 @@ __device__ inline bool wait_at_least(const CommView& v, const uint64_t* flag, ui
   return true;
 }
 
-// Threads [0, R) of the block wait for flag[p] >= target in `buffer`, then the block syncs.
-__device__ inline void block_wait_all(const CommView& v, char* buffer, size_t offset,
-                                      uint64_t target, int32_t stage) {
-  for (int p = threadIdx.x; p < v.dims.world; p += blockDim.x)
-    wait_at_least(v, flag_at(buffer, offset, p), target, stage, p);
-  __syncthreads();
-}
-
 // Call from every thread after the block's writes. Returns true in exactly one block, the
 // last to finish, once the writes of all blocks are visible system-wide; that block then
 // publishes (and the counter is reset for the next launch).
@@ -93,25 +85,10 @@ __device__ inline bool last_block_done(const CommView& v, DoneCounter which) {
 }
 
 __device__ inline int lane_id() { return threadIdx.x & 31; }
-__device__ inline int global_warp() { return blockIdx.x * kWarps + threadIdx.x / 32; }
-__device__ inline int global_warps() { return gridDim.x * kWarps; }
-
-// Parts per item (e.g. a token row split along hidden) so that `items` tasks give every warp
-// of a max_blocks grid about one task: small calls spread over more SMs, large ones do not split.
-inline int parts_per_item(int items, int max_parts, int max_blocks) {
-  const int parts = max_blocks * kWarps / (items > 0 ? items : 1);
-  return parts < 1 ? 1 : (parts > max_parts ? max_parts : parts);
-}
 
 // First index of part `part` when [0, n) is cut into `parts` contiguous parts.
 __device__ inline int part_begin(int n, int part, int parts) {
   return static_cast<int>(static_cast<long long>(n) * part / parts);
-}
-
-inline int grid_for(int warp_tasks, int max_blocks) {
-  int blocks = (warp_tasks + kWarps - 1) / kWarps;
-  if (blocks > max_blocks) blocks = max_blocks;
-  return blocks < 1 ? 1 : blocks;
 }
 
 }  // namespace jax_moe

@@ -35,6 +35,11 @@ class MoEConfig:
   partial_dtype: object = jnp.float32
   expert_padding: int = 1
   max_recv_tokens: int | None = None
+  # cuda backend over NVLink: blocks (one per SM) each dispatch/combine runs on, and the token
+  # chunks its protocol cuts every call into; None uses every SM of the smallest device of the
+  # mesh. Set it lower to leave SMs to work that overlaps the exchange (DeepEP's
+  # Buffer.set_num_sms). The other backends ignore it.
+  num_sms: int | None = None
 
   def __post_init__(self):
     for name in ("num_experts", "experts_per_token", "hidden", "max_tokens", "block_size",
@@ -70,6 +75,10 @@ class MoEConfig:
       if row_bytes % 16:
         raise ValueError(f"MoEConfig.hidden ({self.hidden}) gives {row_bytes}-byte rows in "
                          f"{name} {dtype.name}; rows must be a multiple of 16 bytes")
+    if self.num_sms is not None and (
+        not isinstance(self.num_sms, (int, np.integer)) or not 1 <= self.num_sms <= 4096):
+      raise ValueError(f"MoEConfig.num_sms must be None or an int in [1, 4096], "
+                       f"got {self.num_sms!r}")
     if self.max_recv_tokens is not None and (
         not isinstance(self.max_recv_tokens, (int, np.integer)) or self.max_recv_tokens < 1):
       raise ValueError(f"MoEConfig.max_recv_tokens must be None or a positive int, "

@@ -24,20 +24,21 @@ void bind_cuda(nb::module_& m) {
       "cuda_create_rank",
       [](int64_t comm_id, int ordinal, int rank, int world, int max_tokens, int hidden, int topk,
          int num_experts, int block_size, int expert_padding, int capacity, bool fp8,
-         bool reduce_expert, bool partial_bf16, double timeout_s, bool proxy) {
+         bool reduce_expert, bool partial_bf16, double timeout_s, bool proxy, int chunks) {
         const MoeDims d = moe_dims(rank, world, max_tokens, hidden, topk, num_experts, block_size,
                                    expert_padding, capacity, fp8, reduce_expert, partial_bf16);
         if (proxy) create_proxy_rank_state(comm_id, ordinal, d, timeout_s);
-        else create_rank_state(comm_id, ordinal, d, timeout_s);
+        else create_rank_state(comm_id, ordinal, d, chunks, timeout_s);
       },
       nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("rank"), nb::arg("world"),
       nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("topk"), nb::arg("num_experts"),
       nb::arg("block_size"), nb::arg("expert_padding"), nb::arg("capacity"), nb::arg("fp8"),
       nb::arg("reduce_expert"), nb::arg("partial_bf16"), nb::arg("timeout_s"),
-      nb::arg("proxy") = false,
-      "Allocates the buffers of one rank of a CUDA communicator on local device `ordinal`; "
-      "with `proxy`, the pinned staging and doorbell of its host proxy instead (the host rank "
-      "state of the same ids then does the exchange).");
+      nb::arg("proxy") = false, nb::arg("chunks") = 0,
+      "Allocates the buffers of one rank of a CUDA communicator on local device `ordinal` "
+      "(NVLink protocol of `chunks` token chunks, equal on every rank); with `proxy`, the "
+      "pinned staging and doorbell of its host proxy instead (the host rank state of the same "
+      "ids then does the exchange).");
   m.def("cuda_create_all_reduce_rank", &create_all_reduce_state, nb::arg("comm_id"),
         nb::arg("ordinal"), nb::arg("rank"), nb::arg("world"), nb::arg("max_bytes"),
         nb::arg("timeout_s"),

@@ -1,5 +1,6 @@
-// FFI handlers of combine: decode and check the buffers against the rank state, then call
-// the launchers of cuda/combine.cu (or the rank's host proxy). Argument order matches
+// FFI handlers of combine: decode and check the buffers against the rank state, then launch
+// cuda/combine.cu's kernel (one launch per call, the fused op included) or call the rank's
+// host proxy. Argument order matches
 // jax_moe/backends/cuda.py.
 #include <cuda_runtime.h>
 
@@ -11,17 +12,19 @@
 namespace jax_moe {
 namespace {
 
-// The kernels, or the rank's host proxy (ffi/cuda/proxy.h).
+// The kernel (one launch, `phases` of it), or the rank's host proxy (ffi/cuda/proxy.h).
 cudaError_t send_half(CudaRankState& s, const void* y, const int32_t* slot_rows,
                       const float* row_weights, int32_t* done, cudaStream_t stream) {
   if (s.proxy) return s.proxy->combine_send(s.view(), y, slot_rows, row_weights, done, stream);
-  return launch_combine_send(s.view(), y, slot_rows, row_weights, done, stream);
+  return launch_combine(s.view(), kPhaseSend, y, slot_rows, row_weights, done, nullptr, nullptr,
+                        nullptr, stream);
 }
 
 cudaError_t recv_half(CudaRankState& s, const int32_t* send_dest, const float* topk_weights,
                       void* out, cudaStream_t stream) {
   if (s.proxy) return s.proxy->combine_recv(s.view(), send_dest, topk_weights, out, stream);
-  return launch_combine_recv(s.view(), send_dest, topk_weights, out, stream);
+  return launch_combine(s.view(), kPhaseRecv, nullptr, nullptr, nullptr, nullptr, send_dest,
+                        topk_weights, out, stream);
 }
 
 ffi::Error CombineSendImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id,
@@ -77,15 +80,19 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id,
   if (auto err = expect_shape(site, "done (output)", done->dimensions(), {{"1", 1}});
       err.failure())
     return err;
-  if (auto err = launch_result(site, send_half(s, y.untyped_data(),
-                                                         slot_rows.typed_data(),
-                                                         row_weights.typed_data(),
-                                                         done->typed_data(), stream));
+  if (!s.proxy)  // one kernel: the send phase, then the receive phase in the same blocks
+    return launch_result(site, launch_combine(s.view(), kPhaseBoth, y.untyped_data(),
+                                              slot_rows.typed_data(), row_weights.typed_data(),
+                                              done->typed_data(), send_dest.typed_data(),
+                                              topk_weights.typed_data(), out->untyped_data(),
+                                              stream));
+  if (auto err = launch_result(site, send_half(s, y.untyped_data(), slot_rows.typed_data(),
+                                               row_weights.typed_data(), done->typed_data(),
+                                               stream));
       err.failure())
     return err;
-  return launch_result(site, recv_half(s, send_dest.typed_data(),
-                                                 topk_weights.typed_data(), out->untyped_data(),
-                                                 stream));
+  return launch_result(site, recv_half(s, send_dest.typed_data(), topk_weights.typed_data(),
+                                       out->untyped_data(), stream));
 }
 
 }  // namespace

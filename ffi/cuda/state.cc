@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -10,6 +11,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "cuda/nvlink_layout.cuh"
 #include "ffi/host/state.h"
 
 namespace jax_moe {
@@ -59,7 +61,24 @@ void validate_dims(const MoeDims& d) {
            std::to_string(d.block_size));
   }
   if (d.local_experts * d.world != d.num_experts) fail("num_experts must be divisible by the axis size");
-  if (place_smem_bytes(d) > 48 * 1024) fail("num_experts too large for one block's shared memory");
+}
+
+// What only the NVLink kernels need (the host proxies keep the host protocol's limits).
+void validate_nvlink(const MoeDims& d, int chunks) {
+  auto fail = [](const std::string& text) {
+    throw std::invalid_argument("Communicator(backend='cuda'): " + text);
+  };
+  if (chunks < 1 || chunks > 4096)
+    fail("MoEConfig.num_sms must be in [1, 4096], got " + std::to_string(chunks));
+  if (d.fp8 && d.block_size > 2048)
+    fail("MoEConfig.block_size must be <= 2048 for fp8 dispatch, got " +
+         std::to_string(d.block_size));
+  if (route_warps(d) < 1 || place_smem_bytes(d) > kExchangeSmem)
+    fail("MoEConfig.num_experts too large for one block's shared memory (at most " +
+         std::to_string(kExchangeSmem / 4) + "), got " + std::to_string(d.num_experts));
+  // A slot's code is rank * L + e with rank < T * K (nvlink_layout.cuh), in an int32.
+  if (double(d.max_tokens) * d.topk * d.local_experts >= 2147483647.0)
+    fail("max_tokens * experts_per_token * local experts must be below 2^31");
 }
 
 void free_state(CudaRankState& s) {
@@ -70,8 +89,7 @@ void free_state(CudaRankState& s) {
   s.proxy.reset();  // stops its thread before the host rank state it serves can go
   for (char* p : s.ipc_opened) cudaIpcCloseMemHandle(p);
   cudaFree(s.peers_device);
-  cudaFree(s.slot_rank);
-  cudaFree(s.expert_counts);
+  cudaFree(s.chunk_seq);
   cudaFree(s.counters);
   cudaFree(s.buffer);
   if (s.error_host) cudaFreeHost(s.error_host);
@@ -96,7 +114,7 @@ void create_state(std::unique_ptr<CudaRankState> state, size_t buffer_bytes, Ext
     int sms = 0;
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, s.ordinal),
                "cudaDeviceGetAttribute(multiProcessorCount)");
-    s.max_blocks = sms > 1 ? sms / 2 : 1;  // leave half the SMs to other streams
+    s.grid = std::max(1, std::min(s.chunks, sms));
     check_cuda(cudaMalloc(&s.buffer, buffer_bytes), "cudaMalloc(communication buffer)");
     check_cuda(cudaMemset(s.buffer, 0, buffer_bytes), "cudaMemset(communication buffer)");
     check_cuda(cudaMalloc(&s.counters, sizeof(DeviceCounters)), "cudaMalloc(counters)");
@@ -136,10 +154,10 @@ CommView CudaRankState::view() const {
   v.peers = peers_device;
   v.counters = counters;
   v.error = error_device;
-  v.expert_counts = expert_counts;
-  v.slot_rank = slot_rank;
+  v.chunk_seq = chunk_seq;
   v.timeout_ns = timeout_ns;
-  v.max_blocks = max_blocks;
+  v.chunks = chunks;
+  v.grid = grid;
   return v;
 }
 
@@ -147,17 +165,18 @@ int32_t CudaRankState::pending_error() const {
   return *reinterpret_cast<volatile int32_t*>(&error_host->code);
 }
 
-void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s) {
+void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, int chunks,
+                       double timeout_s) {
   validate_dims(dims);
+  validate_nvlink(dims, chunks);
   check_timeout(timeout_s);
-  create_state(new_state(comm_id, ordinal, dims, timeout_s), buffer_layout(dims).total,
-               [](CudaRankState& s) {
-                 const MoeDims& d = s.dims;
-                 const size_t counts = size_t(d.world) * d.local_experts;
-                 const size_t slots = size_t(d.world) * d.max_tokens * d.topk;
-                 check_cuda(cudaMalloc(&s.expert_counts, 4 * counts), "cudaMalloc(expert counts)");
-                 check_cuda(cudaMalloc(&s.slot_rank, 4 * slots), "cudaMalloc(slot ranks)");
-               });
+  auto state = new_state(comm_id, ordinal, dims, timeout_s);
+  state->chunks = chunks;
+  create_state(std::move(state), nvlink_layout(dims, chunks).total, [](CudaRankState& s) {
+    const size_t bytes = sizeof(uint64_t) * kChunkCounters * s.chunks;
+    check_cuda(cudaMalloc(&s.chunk_seq, bytes), "cudaMalloc(chunk sequences)");
+    check_cuda(cudaMemset(s.chunk_seq, 0, bytes), "cudaMemset(chunk sequences)");
+  });
 }
 
 void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, int64_t max_bytes,

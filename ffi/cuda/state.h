@@ -28,14 +28,14 @@ struct CudaRankState {
   char* multicast_local = nullptr;
   char* buffer = nullptr;                 // this rank's buffer (buffer_layout / all_reduce)
   DeviceCounters* counters = nullptr;     // device memory
-  int32_t* expert_counts = nullptr;       // device scratch [R][L]
-  int32_t* slot_rank = nullptr;           // device scratch [R][T][K]
+  uint64_t* chunk_seq = nullptr;          // device [kChunkCounters][chunks] (nvlink_layout.cuh)
   char** peers_device = nullptr;          // device array [R] of peer buffers
   std::vector<char*> ipc_opened;          // peer buffers mapped through CUDA IPC
   ErrorRecord* error_host = nullptr;      // mapped pinned host memory
   ErrorRecord* error_device = nullptr;    // the same record as the kernels address it
   uint64_t timeout_ns = 0;
-  int max_blocks = 1;
+  int chunks = 1;                         // token chunks of the NVLink protocol (every rank's)
+  int grid = 1;                           // blocks per dispatch/combine launch, <= chunks
   bool connected = false;
   bool timed_out = false;  // a TIMEOUT was taken: the ranks' sequences no longer agree
   // Set when the rank's exchanges go through the host (ffi/cuda/proxy.h); then `buffer`
@@ -48,7 +48,11 @@ struct CudaRankState {
 };
 
 // The functions below throw std::runtime_error / std::invalid_argument (for the bindings).
-void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s);
+// `chunks`: token chunks of the NVLink protocol, the same on every rank of the communicator
+// (MoEConfig.num_sms, or the smallest SM count of its devices); a launch runs
+// min(chunks, SMs of this device) blocks.
+void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, int chunks,
+                       double timeout_s);
 // The state of one rank of an AllReduce of messages up to max_bytes.
 void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, int64_t max_bytes,
                              double timeout_s);

@@ -26,6 +26,15 @@ from jax_moe.backends.cuda_ranks import CudaRanks, rank_groups, timeout_s
 from jax_moe.config import MoEConfig
 
 
+# SMs of an H100/H200, for a device whose description does not say (every rank must agree on
+# the protocol's chunk count, so it comes from the mesh, not from each rank's own device).
+_DEFAULT_SMS = 132
+
+
+def _sm_count(device) -> int:
+  return int(getattr(device, "core_count", 0) or _DEFAULT_SMS)
+
+
 class CudaHandle(NamedTuple):
   """What combine needs, produced by dispatch; valid for one combine."""
   slot_rows: jax.Array     # [R, T, K] int32 row here of slot (s, t, k); -1 not here, -2 dropped
@@ -54,6 +63,7 @@ class CudaBackend:
     self.L = cfg.num_local_experts(self.R)
     self.capacity = cfg.capacity(self.R)
     self._timeout_s = timeout_s()
+    self._chunks = cfg.num_sms or min(_sm_count(d) for d in mesh.devices.flat)
     self._ranks = self._make_ranks(mesh, axis)
     self.comm_id = self._ranks.comm_id
 
@@ -76,7 +86,8 @@ class CudaBackend:
                 timeout_s=self._timeout_s)
 
   def _create_rank(self, comm_id: int, ordinal: int, rank: int) -> None:
-    native.load().cuda_create_rank(comm_id=comm_id, ordinal=ordinal, **self._rank_sizes(rank))
+    native.load().cuda_create_rank(comm_id=comm_id, ordinal=ordinal, chunks=self._chunks,
+                                   **self._rank_sizes(rank))
 
   # ---------------------------------------------------------------- lifecycle
   def check(self):

@@ -59,6 +59,14 @@ JOBS = (
     Job("ep2-1perGPU-bf16-expert-split", (0, 1),
         ("--dispatch", "bf16", "--reduce", "expert", "--split")),
     Job("ep4-2perGPU-fp8-source", (0, 0, 1, 1), ("--dispatch", "fp8", "--reduce", "source")),
+    # Several ranks on one GPU (CUDA IPC between processes of one device): the protocol at
+    # R > 1 on a one-GPU machine.
+    Job("ep2-1GPU-bf16-expert-split", (0, 0),
+        ("--dispatch", "bf16", "--reduce", "expert", "--split")),
+    Job("ep4-1GPU-fp8-source-padding16", (0, 0, 0, 0),
+        ("--dispatch", "fp8", "--reduce", "source", "--expert-padding", "16")),
+    Job("ep4-1GPU-fp8prequantized-expert-bf16partials", (0, 0, 0, 0),
+        ("--dispatch", "fp8-prequantized", "--reduce", "expert", "--partial-dtype", "bfloat16")),
     Job("ep8-4perGPU-fp8prequantized-expert-bf16partials", (0, 0, 0, 0, 1, 1, 1, 1),
         ("--dispatch", "fp8-prequantized", "--reduce", "expert", "--partial-dtype", "bfloat16"),
         timeout_s=300, only_with="JAX_MOE_TEST_EP8"),

@@ -1,0 +1,55 @@
+// Block-level pieces of the NVLink dispatch/combine kernels (cuda/dispatch.cu,
+// cuda/combine.cu): chunks, per-chunk sequences, parity regions, and the flags a block raises
+// and waits for. Layout and protocol: cuda/nvlink_layout.cuh.
+#pragma once
+
+#include "cuda/nvlink_layout.cuh"
+#include "cuda/sync.cuh"
+
+namespace jax_moe {
+
+__device__ inline int block_warp() { return threadIdx.x / 32; }
+
+// First token of chunk c (chunk c covers [chunk_begin(c), chunk_begin(c + 1))).
+__device__ inline int chunk_begin(const CommView& v, int c) {
+  return part_begin(v.dims.max_tokens, c, v.chunks);
+}
+
+// The sequence of this call for chunk c in `counter` (ChunkCounter).
+__device__ inline uint64_t chunk_seq(const CommView& v, ChunkCounter counter, int c) {
+  return v.chunk_seq[size_t(counter) * v.chunks + c] + 1;
+}
+
+// Records that this block finished chunk c of `counter`'s phase (call once per chunk, by one
+// thread, after the chunk's work).
+__device__ inline void finish_chunk(const CommView& v, ChunkCounter counter, int c,
+                                    uint64_t seq) {
+  if (threadIdx.x == 0) v.chunk_seq[size_t(counter) * v.chunks + c] = seq;
+}
+
+// Parity region of call `seq` in a rank's buffer.
+__device__ inline char* parity_region(char* buffer, const NvlinkLayout& lay, uint64_t seq) {
+  return buffer + lay.region + (seq & 1) * lay.region_bytes;
+}
+
+// After this block's writes for one flag: the block syncs, then thread p (< R) stores seq
+// into flag `index` of the flags at `offset` in rank p's buffer, with release semantics at
+// system scope (cumulative over the block's writes that the barrier ordered before it).
+__device__ inline void signal_peers(const CommView& v, size_t offset, int index, uint64_t seq) {
+  __syncthreads();
+  for (int p = threadIdx.x; p < v.dims.world; p += blockDim.x)
+    store_release_sys(flag_at(v.peers[p], offset, index), seq);
+}
+
+// Threads p < R wait until flag [p * stride + index] at `offset` in this rank's buffer reaches
+// seq, then the block syncs. False in every thread when any wait gave up (timeout, recorded
+// with peer p, or an earlier timeout of this device): the data behind the flags is not valid.
+__device__ inline bool wait_peers(const CommView& v, size_t offset, int stride, int index,
+                                  uint64_t seq, int32_t stage) {
+  int ok = 1;
+  for (int p = threadIdx.x; p < v.dims.world; p += blockDim.x)
+    if (!wait_at_least(v, flag_at(v.local, offset, p * stride + index), seq, stage, p)) ok = 0;
+  return __syncthreads_and(ok) != 0;
+}
+
+}  // namespace jax_moe
