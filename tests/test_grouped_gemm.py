@@ -14,7 +14,12 @@ order (K * 2^-24 * sum|x*w| per element) plus, for bf16 outputs, one bf16 ulp (a
 relative: the two roundings of nearly equal f32 values may land one ulp apart).
 """
 
+import json
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -308,3 +313,20 @@ def test_gpu_models_expert_layer_with_tokamax(monkeypatch):
                                 np.float32)
     scale = np.abs(outs["lax"]).max()
     np.testing.assert_allclose(outs["auto"], outs["lax"], atol=2.0 ** -6 * scale)
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def test_bench_grouped_gemm_quick_runs_on_cpu(tmp_path):
+    """benchmarks/bench_grouped_gemm.py --quick end to end on one host device (seconds)."""
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    done = subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_grouped_gemm.py"),
+                           "--quick", "--groups", "uneven", "--out", str(tmp_path)],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    payload = json.loads((tmp_path / "grouped_gemm_cpu.json").read_text())
+    assert {r["status"] for r in payload["results"] if r["family"] in ("lax", "einsum", "auto")} \
+        == {"ok"}
+    # (no sign asserted: on a busy CPU the difference of two tiny loop times can be negative)
+    assert np.isfinite([payload["floors"]["peak"]["tflops"], payload["floors"]["copy"]["tb_per_s"]]).all()
+    assert sum(payload["shapes"]["prefill-tiny"]["group_sizes"]) == 512
