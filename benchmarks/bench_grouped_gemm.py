@@ -20,7 +20,10 @@ batched einsum; uneven: rows gathered into [G, max group, K], einsum, gathered b
 tokamax (tokamax.ragged_dot(implementation="mosaic"): tokamax's own config choice, its H100
 cache or its heuristics), auto (jax_moe.grouped_gemm.ragged_dot: the tuned config and the
 zeroed tail), and with --sweep every candidate tile config of tokamax's sm90 kernel
-("cfg ..."), the data behind grouped_gemm.SM90_CONFIGS.
+("cfg ..."), the data behind grouped_gemm.SM90_CONFIGS. At decode shapes also fp8 (tokamax's
+sm90 quantized kernel on e4m3 weights with a bf16 scale per group, 128 rows of K and column,
+quantized here; checked against the bf16 weights the codes encode; target <= 0.6x the bf16
+time).
 
 Writes <out>/grouped_gemm_<device>.json (after every shape) and .png, and prints the table.
 
@@ -62,7 +65,7 @@ QUICK_SHAPES = {
     "decode-tiny": (64, 8, 256, 128, "decode"),
     "prefill-tiny": (512, 4, 256, 128, "prefill"),
 }
-METHODS = ("lax", "einsum", "tokamax", "auto")
+METHODS = ("lax", "einsum", "tokamax", "fp8", "auto")
 DECODE_TARGET = 1.15   # x HBM floor
 PREFILL_TARGET = 0.50  # of the measured dense peak
 
@@ -116,6 +119,23 @@ def make_inputs(m, g, k, n, sizes, seed):
   x = jax.random.normal(key_x, (m, k), jnp.bfloat16)
   w = (jax.random.normal(key_w, (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
   return x, w, jnp.asarray(sizes, jnp.int32)
+
+
+def fp8_weights(w, tile_k: int = 128):
+  """w [G, K, N] bf16 -> (qwix.QArray of e4m3 codes with a bf16 scale per (group, 128 rows of
+  K, column), the bf16 weights those codes stand for). The scale layout is the one tokamax's
+  sm90 quantized kernel takes (scale tile (1, k, 1)); DeepSeek's 128x128 block scales map onto
+  it by repeating each block's scale over its 128 columns."""
+  import qwix
+  g, k, n = w.shape
+  blocks = w.astype(jnp.float32).reshape(g, k // tile_k, tile_k, n)
+  scale = (jnp.max(jnp.abs(blocks), axis=2) / 448.0).astype(jnp.bfloat16)
+  scale = jnp.where(scale > 0, scale, jnp.ones((), jnp.bfloat16))
+  scale_f32 = scale.astype(jnp.float32)[:, :, None, :]
+  q = (blocks / scale_f32).astype(jnp.float8_e4m3fn)
+  dequantized = (q.astype(jnp.float32) * scale_f32).astype(jnp.bfloat16).reshape(g, k, n)
+  return (qwix.QArray(qvalue=q.reshape(g, k, n), scale=scale, qtype=jnp.float8_e4m3fn),
+          dequantized)
 
 
 # ------------------------------------------------------------------------------- methods
@@ -175,6 +195,16 @@ def methods_for(kind: str, sizes: np.ndarray, m: int, k: int, n: int, wanted, sw
                 lambda x, w, gs: gg.tokamax_ragged_dot(x, w, gs, preferred_element_type=bf16,
                                                        zero_tail=False),
                 gg.tuned_config(m, 128, 128, len(sizes), device), ""))
+  if "fp8" in wanted and kind == "decode":
+    if tokamax_ok:
+      import tokamax
+      out.append(("tokamax fp8 weights (e4m3, scale per 128 K x 1 col)", "fp8",
+                  lambda x, wq, gs: tokamax.ragged_dot(x, wq, gs, preferred_element_type=bf16,
+                                                       implementation="mosaic"), None,
+                  "weights quantized in the benchmark; error against the dequantized weights"))
+    else:
+      out.append(("tokamax fp8 weights (e4m3, scale per 128 K x 1 col)", "fp8", None, None,
+                  why_not))
   if "auto" in wanted:
     chosen = gg.implementation_for(jax.ShapeDtypeStruct((m, k), bf16),
                                    jax.ShapeDtypeStruct((len(sizes), k, n), bf16),
@@ -496,13 +526,22 @@ def main(argv=None) -> int:
         result["status"] = f"not run: {note}"
       else:
         try:
-          y = jax.block_until_ready(jax.jit(fn)(x, w, gs))
-          result["rel_err"] = relative_error(y, ref)
-          del y
+          w_arg, ref_arg = w, ref
+          if family == "fp8":  # quantized weights; checked against the weights they encode
+            w_arg, dequantized = fp8_weights(w)
+            ref_arg = jax.jit(lambda a, b, c: jax.lax.ragged_dot(
+                a, b, c, preferred_element_type=jnp.float32))(x, dequantized, gs)
+            del dequantized
+            result["weight_bytes"] = float(w.size)  # 1 byte per weight (+ scales, 1/64 of it)
+          y = jax.block_until_ready(jax.jit(fn)(x, w_arg, gs))
+          result["rel_err"] = relative_error(y, ref_arg)
+          if family == "fp8":
+            result["rel_err_vs_bf16_weights"] = relative_error(y, ref)
+          del y, ref_arg
           if not result["rel_err"] <= args.tolerance:
             result["status"] = f"wrong: rel_err {result['rel_err']:.3g} > {args.tolerance}"
           else:
-            result["time"] = time_fn(fn, (x, w, gs), (m, n), args, calls)
+            result["time"] = time_fn(fn, (x, w_arg, gs), (m, n), args, calls)
             result["status"] = "ok"
             grade(result, floors, kind, peak)
         except Exception as e:  # noqa: BLE001  (a config that does not compile, say)
@@ -522,6 +561,18 @@ def main(argv=None) -> int:
     if result["status"] == "ok":
       info = payload["shapes"][result["shape"]]
       grade(result, info["floors"], info["kind"], peak)
+  for name in payload["shapes"]:
+    mine = [r for r in payload["results"] if r["shape"] == name and r["status"] == "ok"]
+    bf16 = [r["time"]["median_us"] for r in mine if r["family"] in ("tokamax", "auto")]
+    for r in mine:
+      if r["family"] == "fp8" and copy:  # its own HBM floor: 1-byte weights
+        info = payload["shapes"][name]
+        r["hbm_floor_us_fp8"] = (info["floors"]["bytes"] - r["weight_bytes"]) / (
+            copy["tb_per_s"] * 1e6)
+        r["x_hbm_floor"] = r["time"]["median_us"] / r["hbm_floor_us_fp8"]
+      if r["family"] == "fp8" and bf16:
+        r["x_best_bf16_tokamax"] = r["time"]["median_us"] / min(bf16)
+        r["meets_fp8_target"] = r["x_best_bf16_tokamax"] <= 0.6
   payload["elapsed_s"] = time.perf_counter() - started
   save()
   png = out_json.with_suffix(".png")
