@@ -6,6 +6,8 @@
 #   tests    tests/gpu/test_cuda_backend.py (XLA defaults; NVLink and forced-remote host proxies)
 #   mp       tests/gpu/test_multiprocess.py (2 processes x 1 GPU, 4 processes on 2 GPUs, through
 #            CUDA IPC; with libfabric also through the host proxies, and the host backend's jobs)
+#   mp1      only the jobs of several processes on one GPU (CUDA IPC; the protocol at R > 1 on a
+#            one-GPU machine)
 #   parity   the shared parity, runtime-error and quantization tests (tests/*.py) on the GPUs
 #   quant    tests/test_quantization.py on the GPU (quantize_fp8 must match the spec there)
 #   cmdbuf   tests/gpu/test_cuda_backend.py with XLA command buffers off, then forced on for custom calls
@@ -61,6 +63,7 @@ for step in "${steps[@]}"; do
   case $step in
     tests) suite gpu_default 150 tests/gpu/test_cuda_backend.py ;;
     mp) suite multiprocess 420 -rs tests/gpu/test_multiprocess.py ;;
+    mp1) suite multiprocess_1gpu 300 -rs tests/gpu/test_multiprocess.py -k 1GPU ;;
     parity)
       suite parity_cuda 240 tests/test_parity.py tests/test_runtime_errors.py -k cuda
       suite quantization_gpu 60 tests/test_quantization.py ;;
@@ -88,11 +91,13 @@ for step in "${steps[@]}"; do
         tail -26 "$logs/bench_ep1_${reduce%% *}.log"
       done
       for tokens in 128 4096; do
-        timeout -s KILL 90 python3 benchmarks/profile_kernels.py --ep 1 --tokens $tokens \
-          --dispatch-dtype fp8 --reduce expert --partial-dtype bf16 \
-          --json "$logs/profile_ep1_$tokens.json" > "$logs/profile_ep1_$tokens.log" 2>&1
-        echo "profile ep1 $tokens tokens: rc=$?"
-        tail -12 "$logs/profile_ep1_$tokens.log"
+        for op in fused split; do
+          timeout -s KILL 90 python3 benchmarks/profile_kernels.py --ep 1 --tokens $tokens \
+            --dispatch-dtype fp8 --reduce expert --partial-dtype bf16 $([ $op = split ] && echo --split) \
+            --json "$logs/profile_ep1_${tokens}_$op.json" > "$logs/profile_ep1_${tokens}_$op.log" 2>&1
+          echo "profile ep1 $tokens tokens $op: rc=$?"
+          grep -E "busy span|us x" "$logs/profile_ep1_${tokens}_$op.log" | head -7
+        done
       done ;;
     allreduce)
       suite all_reduce_gpu 240 -rs tests/gpu/test_all_reduce_gpu.py

@@ -15,15 +15,21 @@ import argparse
 import collections
 import glob
 import json
+import sys
 import tempfile
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `jax_moe` importable
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax_moe as jm
-from jax_moe.sharding import shard_map
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_moe as jm  # noqa: E402
+from benchmarks.methods import identity_expert  # noqa: E402
+from jax_moe.sharding import shard_map  # noqa: E402
 
 
 def parse_args():
@@ -37,10 +43,18 @@ def parse_args():
   p.add_argument("--partial-dtype", choices=("f32", "bf16"), default="f32",
                  help="expert mode: dtype of the partial sums on the wire")
   p.add_argument("--backend", default="cuda")
+  p.add_argument("--split", action="store_true",
+                 help="time the halves (dispatch_send/recv, combine_send/recv) as separate calls")
   p.add_argument("--ep", type=int, default=None, help="use the first N devices (default all)")
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--json", default=None, help="also write the table here")
   return p.parse_args()
+
+
+def short_name(name: str) -> str:
+  """A kernel's name without its namespace and argument list (template arguments kept)."""
+  name = name.replace("jax_moe::(anonymous namespace)::", "").replace("void ", "")
+  return name.split("(", 1)[0][:90] if "(" in name else name[:90]
 
 
 def main():
@@ -63,10 +77,10 @@ def main():
   x, ids, w = (jax.device_put(v, shard) for v in (x, ids, w))
 
   def step(x, ids, w):
-    r = comm.dispatch(x, ids, w)
-    y = (r.x.astype(jnp.bfloat16) if r.scales is None
-         else jm.dequantize_fp8(r.x, r.scales, jnp.bfloat16))
-    return comm.combine(y, r.handle)
+    r = (comm.dispatch_recv(comm.dispatch_send(x, ids, w)) if a.split
+         else comm.dispatch(x, ids, w))
+    y = identity_expert(r)
+    return comm.combine_recv(comm.combine_send(y, r.handle)) if a.split else comm.combine(y, r.handle)
 
   def loop(x, ids, w):
     return jax.lax.fori_loop(0, a.iters, lambda i, v: step(v, ids, w), x)
@@ -106,7 +120,7 @@ def main():
     print(f"{plane.name}: busy span {span:.1f} us per step "
           f"({a.backend}, {a.dispatch_dtype}, {a.reduce}, {a.tokens} tokens/rank, EP{R})")
     for n, c, m, t in rows[:14]:
-      print(f"  {m:9.1f} us x{c:4d}  {n[:90]}")
+      print(f"  {m:9.1f} us x{c:4d}  {short_name(n)}")
   if a.json:
     with open(a.json, "w") as f:
       json.dump({"config": vars(a), "planes": table}, f, indent=1)

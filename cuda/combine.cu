@@ -40,7 +40,7 @@ __device__ void send_rows(const CommView& v, const NvlinkLayout& lay, uint64_t s
     const int s = item / (tokens * K), t = t0 + item / K % tokens, k = item % K;
     const int row = slot_rows[(size_t(s) * T + t) * K + k];
     if (row == -1) continue;
-    uint4* dst = reinterpret_cast<uint4*>(parity_region(v.peers[s], lay, seq) + lay.combine) +
+    uint4* dst = reinterpret_cast<uint4*>(parity_region(block_peers[s], lay, seq) + lay.combine) +
                  (size_t(t) * K + k) * chunks;
     const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
     if (row >= 0 && row < C) {
@@ -82,7 +82,7 @@ __device__ void send_partials(const CommView& v, const NvlinkLayout& lay, uint64
       warp_weights[warp][i] = row_weights[row];
     }
     __syncwarp();
-    char* dst = parity_region(v.peers[s], lay, seq) + lay.combine +
+    char* dst = parity_region(block_peers[s], lay, seq) + lay.combine +
                 (size_t(me) * T + t) * d.hidden * pbytes;
     const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
     // Each lane sums kChunksPerLane vectors at once: up to kBatch * kChunksPerLane loads in
@@ -221,14 +221,16 @@ __device__ void sum_chunk(const CommView& v, const char* region, const NvlinkLay
   }
 }
 
-// Block b handles chunks b, b + grid, ... of each phase it runs.
+// Block b handles chunks b, b + grid, ... of each phase it runs (one instance per phase set).
+template <int kPhases>
 __global__ void __launch_bounds__(kExchangeThreads, 1)
-combine_kernel(CommView v, int phases, const uint4* y, const int32_t* slot_rows,
+combine_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
                const float* row_weights, int32_t* done, const int32_t* send_dest,
                const float* topk_weights, uint4* out) {
   const MoeDims& d = v.dims;
   const NvlinkLayout lay = nvlink_layout(d, v.chunks);
-  if (phases & kPhaseSend) {
+  load_peers(v);
+  if (kPhases & kPhaseSend) {
     const uint64_t seq = chunk_seq(v, kSeqCombineSend, blockIdx.x);
     if (done && blockIdx.x == 0 && threadIdx.x == 0) *done = 0;
     for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
@@ -239,7 +241,7 @@ combine_kernel(CommView v, int phases, const uint4* y, const int32_t* slot_rows,
       finish_chunk(v, kSeqCombineSend, c, seq);
     }
   }
-  if (phases & kPhaseRecv) {
+  if (kPhases & kPhaseRecv) {
     const uint64_t seq = chunk_seq(v, kSeqCombineRecv, blockIdx.x);
     const char* region = parity_region(v.local, lay, seq);
     for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
@@ -258,8 +260,11 @@ cudaError_t launch_combine(const CommView& view, int phases, const void* y,
                            const int32_t* slot_rows, const float* row_weights, int32_t* done,
                            const int32_t* send_dest, const float* topk_weights, void* out,
                            cudaStream_t stream) {
-  combine_kernel<<<view.grid, kExchangeThreads, 0, stream>>>(
-      view, phases, static_cast<const uint4*>(y), slot_rows, row_weights, done, send_dest,
+  auto kernel = phases == kPhaseSend   ? combine_kernel<kPhaseSend>
+                : phases == kPhaseRecv ? combine_kernel<kPhaseRecv>
+                                       : combine_kernel<kPhaseBoth>;
+  kernel<<<view.grid, kExchangeThreads, 0, stream>>>(
+      view, static_cast<const uint4*>(y), slot_rows, row_weights, done, send_dest,
       topk_weights, static_cast<uint4*>(out));
   return cudaGetLastError();
 }

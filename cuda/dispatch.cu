@@ -3,13 +3,14 @@
 // cuda/nvlink_layout.cuh; the output layout: docs/semantics.md.
 //
 // Send (every rank, as a source):
-//   block 0 first routes: validates the ids, ranks every slot among this source's slots of
-//   the same expert ((t, k) order, so segments keep their order), and writes to every rank
-//   its tokens count, its per-expert row counts and each slot's code, then raises route_flag;
+//   the first route_blocks blocks first route, each a part of the slots: validate the ids,
+//   rank every slot among this source's slots of the same expert ((t, k) order, so segments
+//   keep their order), and write to every rank its tokens count, its per-expert row counts
+//   and each slot's code, then raise route_flag per part;
 //   every block then sends the token rows of its chunks, once to each rank that holds a slot
 //   of the token (fp8-quantized on the way when asked), and raises rows_flag per chunk.
 // Receive (every rank, as a destination):
-//   every block waits for the route flags (the counts give each expert's segment), then per
+//   every block waits for every source's route flags (the counts give each expert's segment), then per
 //   chunk for the sources' rows of that chunk, and copies each token to its rows.
 #include "cuda/api.cuh"
 #include "cuda/exchange.cuh"
@@ -18,94 +19,160 @@
 namespace jax_moe {
 namespace {
 
-// Calls store(rank) for every rank set in mask, lowest first.
-template <typename Store>
-__device__ inline void for_each_rank(uint64_t mask, Store store) {
-  for (; mask; mask &= mask - 1) store(__ffsll(static_cast<long long>(mask)) - 1);
-}
+// Where one warp sends a token: its slot in this source's region on each rank that holds one
+// of its slots, in a per-warp table in shared memory (count entries).
+struct TokenDests {
+  char* const* slot;
+  int count;
+};
 
-// Token t of this source in its parity region on rank p.
-__device__ inline char* peer_token(const CommView& v, const NvlinkLayout& lay, uint64_t seq,
-                                   int p, int t) {
+__device__ inline TokenDests token_dests(const CommView& v, const NvlinkLayout& lay,
+                                         uint64_t seq, uint64_t dest_mask, int t) {
+  static __shared__ char* warp_slots[kExchangeWarps][32];  // <= min(K, R) <= 32 ranks
   const MoeDims& d = v.dims;
-  return parity_region(v.peers[p], lay, seq) + lay.tokens +
-         (size_t(d.rank) * d.max_tokens + t) * token_bytes(d);
+  const int lane = lane_id();
+  // Lane i takes the i-th rank of the mask.
+  uint64_t m = dest_mask;
+  for (int i = 0; i < lane && m; ++i) m &= m - 1;
+  __syncwarp();
+  if (m) {
+    const int p = __ffsll(static_cast<long long>(m)) - 1;
+    warp_slots[block_warp()][lane] = parity_region(block_peers[p], lay, seq) + lay.tokens +
+                                     (size_t(d.rank) * d.max_tokens + t) * token_bytes(d);
+  }
+  __syncwarp();
+  return TokenDests{warp_slots[block_warp()], __popcll(dest_mask)};
 }
 
-// Route pass of block 0 (warps [0, route_warps) count; all threads write). Slots are
-// j = t * K + k over the ntok tokens given; every warp takes a contiguous range of them:
-// (a) counts its hits per global expert into its row of table [warps][E], (b) one exclusive
-// scan over the warps per expert turns the rows into each warp's first rank (the totals go
-// to the expert's rank as its row count from this source), (c) rescans its range in order:
-// slot j's rank = the warp's running count for its expert + the lanes before it with the same
-// expert. The code rank * L + e goes to the expert's rank, -1 to every other rank.
-__device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t seq,
+// Calls store(slot) for every destination of the token.
+template <typename Store>
+__device__ inline void for_each_dest(const TokenDests& dests, Store store) {
+  for (int i = 0; i < dests.count; ++i) store(dests.slot[i]);
+}
+
+constexpr int kRouteUnroll = 8;  // slots per lane loaded at once by the route pass
+
+// Route pass, part `part` of route_blocks(d, chunks) (one block each; all threads take part,
+// warps [0, route_warps) count). Slots are j = t * K + k over the ntok tokens given; the part
+// takes a contiguous range of them, each warp a contiguous piece of that:
+// (a) every warp counts its hits per global expert into its row of table [warps][E];
+// (b) per expert, the part's total goes to part_counts[part] (this rank's buffer), and once
+//     the earlier parts have published theirs, an exclusive scan over the earlier parts and
+//     this part's warps turns each row into the warp's first rank; the last part also has
+//     every expert's total and sends it to the expert's rank as this source's row count;
+// (c) every warp rescans its piece in order: slot j's rank = the warp's running count for
+//     its expert + the lanes before it with the same expert. The code rank * L + e goes to the
+//     expert's rank, -1 to every other rank.
+__device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t seq, int part,
                             const int32_t* topk_ids, const float* topk_weights, int ntok,
                             int32_t* send_dest, int32_t* table) {
   const MoeDims& d = v.dims;
   const int K = d.topk, E = d.num_experts, L = d.local_experts, R = d.world, me = d.rank;
   const int warps = route_warps(d), warp = block_warp(), lane = lane_id();
+  const int parts = route_blocks(d, v.chunks);
   const int n = ntok * K;
+  const int part_begin_ = part_begin(n, part, parts), part_end = part_begin(n, part + 1, parts);
   for (int i = threadIdx.x; i < warps * E; i += blockDim.x) table[i] = 0;
-  // send_dest of slots past ntok (the routing loop below writes the others).
-  for (int j = n + threadIdx.x; j < d.max_tokens * K; j += blockDim.x) send_dest[j] = -1;
+  if (part == 0) {  // send_dest of slots past ntok (the loops below write the others)
+    for (int j = n + threadIdx.x; j < d.max_tokens * K; j += blockDim.x) send_dest[j] = -1;
+    for (int p = threadIdx.x; p < R; p += blockDim.x)
+      reinterpret_cast<int32_t*>(parity_region(block_peers[p], lay, seq) + lay.num_tokens)[me] =
+          ntok;
+  }
   __syncthreads();
 
-  const int begin = part_begin(n, warp, warps), end = part_begin(n, warp + 1, warps);
+  const int span = part_end - part_begin_;
+  const int begin = part_begin_ + part_begin(span, warp, warps);
+  const int end = part_begin_ + part_begin(span, warp + 1, warps);
   int32_t* mine = table + warp * E;
-  auto expert_of = [&](int j, bool record) {
-    int id = topk_ids[j];
-    if (id < -1 || id >= E) {
-      if (record) record_error(v, kInvalidExpertId, kStageDispatchSend, id);
-      id = -1;
+  // Loads kRouteUnroll slots per lane before using any: a loop with one load in flight is
+  // bound by memory latency.
+  auto load_ids = [&](int j0, int (&id)[kRouteUnroll], bool record) {
+#pragma unroll
+    for (int u = 0; u < kRouteUnroll; ++u) {
+      const int j = j0 + 32 * u + lane;
+      id[u] = j < end ? topk_ids[j] : -1;
     }
-    return id;
+#pragma unroll
+    for (int u = 0; u < kRouteUnroll; ++u) {
+      if (id[u] < -1 || id[u] >= E) {
+        if (record) record_error(v, kInvalidExpertId, kStageDispatchSend, id[u]);
+        id[u] = -1;
+      }
+    }
   };
   if (warp < warps) {
-    for (int j = begin + lane; j < end; j += 32) {  // (a)
-      const int id = expert_of(j, true);
-      send_dest[j] = id >= 0 ? id / L : -1;
-      if (id >= 0) atomicAdd(&mine[id], 1);
+    for (int j0 = begin; j0 < end; j0 += 32 * kRouteUnroll) {  // (a)
+      int id[kRouteUnroll];
+      load_ids(j0, id, true);
+#pragma unroll
+      for (int u = 0; u < kRouteUnroll; ++u) {
+        const int j = j0 + 32 * u + lane;
+        if (j < end) send_dest[j] = id[u] >= 0 ? id[u] / L : -1;
+        if (id[u] >= 0) atomicAdd(&mine[id[u]], 1);
+      }
     }
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {  // (b)
+  int32_t* part_counts = reinterpret_cast<int32_t*>(v.local + lay.part_counts);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {  // (b): this part's totals
+    int total = 0;
+    for (int w = 0; w < warps; ++w) total += table[w * E + e];
+    part_counts[part * E + e] = total;
+  }
+  signal_flag(v.local, lay.part_flag, part, seq);
+  // The earlier parts' totals (parts of one grid: lower blocks never wait for higher ones).
+  bool ok = true;
+  for (int q = threadIdx.x; q < part; q += blockDim.x)
+    ok &= wait_at_least(v, flag_at(v.local, lay.part_flag, q), seq, kStageDispatchSend, me);
+  if (!__syncthreads_and(ok)) return;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int before = 0;
+    for (int q = 0; q < part; ++q) before += __ldcg(part_counts + q * E + e);
     for (int w = 0; w < warps; ++w) {
       const int count = table[w * E + e];
       table[w * E + e] = before;
       before += count;
     }
-    int32_t* counts = reinterpret_cast<int32_t*>(parity_region(v.peers[e / L], lay, seq) +
-                                                 lay.counts);
-    counts[me * L + e % L] = before;
+    if (part == parts - 1) {
+      int32_t* counts = reinterpret_cast<int32_t*>(parity_region(block_peers[e / L], lay, seq) +
+                                                   lay.counts);
+      counts[me * L + e % L] = before;
+    }
   }
-  for (int p = threadIdx.x; p < R; p += blockDim.x)
-    reinterpret_cast<int32_t*>(parity_region(v.peers[p], lay, seq) + lay.num_tokens)[me] = ntok;
   __syncthreads();
   if (warp < warps) {
     const unsigned lanes_before = (1u << lane) - 1;
-    for (int j0 = begin; j0 < end; j0 += 32) {  // (c)
-      const int j = j0 + lane;
-      const int id = j < end ? expert_of(j, false) : -1;
-      const unsigned same = __match_any_sync(kFullMask, id);
-      const int before = __popc(same & lanes_before);
-      const int running = id >= 0 ? mine[id] : 0;
-      __syncwarp();
-      if (id >= 0 && before == 0) mine[id] = running + __popc(same);
-      if (j < end) {
-        const int dest = id >= 0 ? id / L : -1;
+    for (int j0 = begin; j0 < end; j0 += 32 * kRouteUnroll) {  // (c)
+      int id[kRouteUnroll];
+      float w[kRouteUnroll];
+      load_ids(j0, id, false);
+#pragma unroll
+      for (int u = 0; u < kRouteUnroll; ++u) {
+        const int j = j0 + 32 * u + lane;
+        w[u] = id[u] >= 0 ? topk_weights[j] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kRouteUnroll; ++u) {
+        const int j = j0 + 32 * u + lane;
+        const unsigned same = __match_any_sync(kFullMask, id[u]);
+        const int before = __popc(same & lanes_before);
+        const int running = id[u] >= 0 ? mine[id[u]] : 0;
+        __syncwarp();
+        if (id[u] >= 0 && before == 0) mine[id[u]] = running + __popc(same);
+        __syncwarp();
+        if (j >= end) continue;
+        const int dest = id[u] >= 0 ? id[u] / L : -1;
         const size_t slot = size_t(me) * d.max_tokens * K + j;  // [s][t][k]
         for (int p = 0; p < R; ++p) {
-          char* region = parity_region(v.peers[p], lay, seq);
+          char* region = parity_region(block_peers[p], lay, seq);
           reinterpret_cast<int32_t*>(region + lay.slot_code)[slot] =
-              p == dest ? (running + before) * L + id % L : -1;
+              p == dest ? (running + before) * L + id[u] % L : -1;
         }
         if (dest >= 0)
-          reinterpret_cast<float*>(parity_region(v.peers[dest], lay, seq) + lay.weights)[slot] =
-              topk_weights[j];
+          reinterpret_cast<float*>(parity_region(block_peers[dest], lay, seq) + lay.weights)[slot] =
+              w[u];
       }
-      __syncwarp();
     }
   }
 }
@@ -117,9 +184,8 @@ __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t
 // reduce its amax with shuffles. A batch loads up to 8 vectors per lane before any arithmetic
 // (one load in flight per lane left the old kernel bound by memory latency).
 template <int CPL>
-__device__ void send_quantized(const CommView& v, const NvlinkLayout& lay, uint64_t seq,
-                               const uint4* row, int t, uint64_t dest_mask, int block_begin,
-                               int block_end) {
+__device__ void send_quantized(const CommView& v, const uint4* row, const TokenDests& dests,
+                               int block_begin, int block_end) {
   const MoeDims& d = v.dims;
   constexpr int kSteps = CPL == 1 ? 8 : 1;  // <= 8 vectors per lane in registers
   const int lane = lane_id();
@@ -166,13 +232,13 @@ __device__ void send_quantized(const CommView& v, const NvlinkLayout& lay, uint6
           hi |= quantize_e4m3(f[4 + i], multiplier) << (8 * i);
         }
         const int chunk = b * chunks_per_block + sub + c * lanes_per_block;
-        for_each_rank(dest_mask, [&](int p) {
-          reinterpret_cast<uint2*>(peer_token(v, lay, seq, p, t))[chunk] = make_uint2(lo, hi);
+        for_each_dest(dests, [&](char* slot) {
+          reinterpret_cast<uint2*>(slot)[chunk] = make_uint2(lo, hi);
         });
       }
       if (sub == 0) {
-        for_each_rank(dest_mask, [&](int p) {
-          reinterpret_cast<float*>(peer_token(v, lay, seq, p, t) + d.hidden)[b] = scale;
+        for_each_dest(dests, [&](char* slot) {
+          reinterpret_cast<float*>(slot + d.hidden)[b] = scale;
         });
       }
     }
@@ -180,21 +246,18 @@ __device__ void send_quantized(const CommView& v, const NvlinkLayout& lay, uint6
 }
 
 // Copies 16-byte vectors [chunk_begin, chunk_end) of `row`, and floats [scale_begin,
-// scale_end) of `scales` (stored from byte scales_at of the slot on), into token t's slot on
-// every rank of dest_mask. One warp.
-__device__ void send_as_is(const CommView& v, const NvlinkLayout& lay, uint64_t seq,
-                           const uint4* row, int chunk_begin, int chunk_end,
+// scale_end) of `scales` (stored from byte scales_at of the slot on), into the token's slot on
+// every destination. One warp.
+__device__ void send_as_is(const uint4* row, int chunk_begin, int chunk_end,
                            const float* scales, int scale_begin, int scale_end,
-                           size_t scales_at, int t, uint64_t dest_mask) {
+                           size_t scales_at, const TokenDests& dests) {
   warp_copy(chunk_begin, chunk_end, [&](int c) { return row[c]; }, [&](int c, uint4 value) {
-    for_each_rank(dest_mask, [&](int p) {
-      reinterpret_cast<uint4*>(peer_token(v, lay, seq, p, t))[c] = value;
-    });
+    for_each_dest(dests, [&](char* slot) { reinterpret_cast<uint4*>(slot)[c] = value; });
   });
   for (int b = scale_begin + lane_id(); b < scale_end; b += 32) {
     const float value = scales[b];
-    for_each_rank(dest_mask, [&](int p) {
-      reinterpret_cast<float*>(peer_token(v, lay, seq, p, t) + scales_at)[b] = value;
+    for_each_dest(dests, [&](char* slot) {
+      reinterpret_cast<float*>(slot + scales_at)[b] = value;
     });
   }
 }
@@ -232,26 +295,27 @@ __device__ void send_chunk(const CommView& v, const NvlinkLayout& lay, uint64_t 
       if (dk >= 0) dest_mask |= 1ull << dk;
     }
     if (!dest_mask) continue;
+    const TokenDests dests = token_dests(v, lay, seq, dest_mask, t);
     const int b_begin = part_begin(nb, part, parts), b_end = part_begin(nb, part + 1, parts);
     if (input == kInputBf16Quantize) {
       const uint4* row = static_cast<const uint4*>(x) + size_t(t) * (H / 8);
       switch (d.block_size / 8 / min(d.block_size / 8, 32)) {  // vectors per lane per block
-        case 1: send_quantized<1>(v, lay, seq, row, t, dest_mask, b_begin, b_end); break;
-        case 2: send_quantized<2>(v, lay, seq, row, t, dest_mask, b_begin, b_end); break;
-        case 4: send_quantized<4>(v, lay, seq, row, t, dest_mask, b_begin, b_end); break;
-        default: send_quantized<8>(v, lay, seq, row, t, dest_mask, b_begin, b_end); break;
+        case 1: send_quantized<1>(v, row, dests, b_begin, b_end); break;
+        case 2: send_quantized<2>(v, row, dests, b_begin, b_end); break;
+        case 4: send_quantized<4>(v, row, dests, b_begin, b_end); break;
+        default: send_quantized<8>(v, row, dests, b_begin, b_end); break;
       }
     } else if (input == kInputFp8) {
       // A part covers whole scale blocks, codes and scales (parts > 1 only when a block is a
       // whole number of 16-byte vectors).
       const int per_block = d.block_size / 16;
-      send_as_is(v, lay, seq, static_cast<const uint4*>(x) + size_t(t) * (H / 16),
+      send_as_is(static_cast<const uint4*>(x) + size_t(t) * (H / 16),
                  parts == 1 ? 0 : b_begin * per_block, parts == 1 ? H / 16 : b_end * per_block,
-                 x_scales + size_t(t) * nb, b_begin, b_end, H, t, dest_mask);
+                 x_scales + size_t(t) * nb, b_begin, b_end, H, dests);
     } else {
-      send_as_is(v, lay, seq, static_cast<const uint4*>(x) + size_t(t) * (H / 8),
+      send_as_is(static_cast<const uint4*>(x) + size_t(t) * (H / 8),
                  part_begin(H / 8, part, parts), part_begin(H / 8, part + 1, parts), nullptr, 0,
-                 0, 0, t, dest_mask);
+                 0, 0, dests);
     }
   }
 }
@@ -291,13 +355,22 @@ __device__ Segments build_segments(const CommView& v, const char* region,
     g.size[e] = (sum + d.expert_padding - 1) / d.expert_padding * d.expert_padding;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int acc = 0;
-    for (int e = 0; e < L; ++e) {
+  if (threadIdx.x < 32) {  // exclusive scan of the sizes: lane i sums a contiguous run
+    const int lane = threadIdx.x, per_lane = (L + 31) / 32;
+    const int first = min(L, lane * per_lane), last = min(L, first + per_lane);
+    int run = 0;
+    for (int e = first; e < last; ++e) run += g.size[e];
+    int inclusive = run;
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int other = __shfl_up_sync(kFullMask, inclusive, offset);
+      if (lane >= offset) inclusive += other;
+    }
+    int acc = inclusive - run;
+    for (int e = first; e < last; ++e) {
       g.start[e] = acc;
       acc += g.size[e];
     }
-    total_rows = acc;
+    if (lane == 31) total_rows = inclusive;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < L; e += blockDim.x) {
@@ -402,9 +475,11 @@ __device__ void place_chunk(const CommView& v, const NvlinkLayout& lay, const ch
   }
 }
 
-// Block b handles chunks b, b + grid, ... of each phase it runs.
+// Block b handles chunks b, b + grid, ... of each phase it runs. One instance per phase set,
+// so a profile names the halves apart and each carries only its own code.
+template <int kPhases>
 __global__ void __launch_bounds__(kExchangeThreads, 1)
-dispatch_kernel(CommView v, int phases, TokenInput input, const void* x,
+dispatch_kernel(CommView v, TokenInput input, const void* x,
                 const float* x_scales, const int32_t* topk_ids, const float* topk_weights,
                 const int32_t* num_tokens, int32_t* send_dest, void* x_out, float* scales_out,
                 float* weights_out, int32_t* group_sizes, int32_t* tokens_per_expert,
@@ -412,16 +487,18 @@ dispatch_kernel(CommView v, int phases, TokenInput input, const void* x,
   const MoeDims& d = v.dims;
   const NvlinkLayout lay = nvlink_layout(d, v.chunks);
   extern __shared__ int32_t smem[];
+  load_peers(v);
 
-  if (phases & kPhaseSend) {
+  if (kPhases & kPhaseSend) {
     const uint64_t seq = chunk_seq(v, kSeqDispatchSend, blockIdx.x);
     const int given = *num_tokens;
     const int ntok = min(max(given, 0), d.max_tokens);
-    if (blockIdx.x == 0) {
-      if (threadIdx.x == 0 && given != ntok)
+    const int route_parts = route_blocks(d, v.chunks);
+    if (blockIdx.x < route_parts) {
+      if (blockIdx.x == 0 && threadIdx.x == 0 && given != ntok)
         record_error(v, kBadNumTokens, kStageDispatchSend, given);
-      route_slots(v, lay, seq, topk_ids, topk_weights, ntok, send_dest, smem);
-      signal_peers(v, lay.route_flag, d.rank, seq);
+      route_slots(v, lay, seq, blockIdx.x, topk_ids, topk_weights, ntok, send_dest, smem);
+      signal_peers(v, lay.route_flag, d.rank * route_parts + blockIdx.x, seq);
     }
     for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
       send_chunk(v, lay, seq, input, x, x_scales, topk_ids, chunk_begin(v, c),
@@ -431,11 +508,13 @@ dispatch_kernel(CommView v, int phases, TokenInput input, const void* x,
     }
   }
 
-  if (phases & kPhaseRecv) {
+  if (kPhases & kPhaseRecv) {
     const uint64_t seq = chunk_seq(v, kSeqDispatchRecv, blockIdx.x);
     const char* region = parity_region(v.local, lay, seq);
     // Every source's counts before any row: they place each expert's segment.
-    if (!wait_peers(v, lay.route_flag, 1, 0, seq, kStageDispatchRecv)) return;
+    const int route_parts = route_blocks(d, v.chunks);
+    if (!wait_peers(v, lay.route_flag, route_parts, 0, seq, kStageDispatchRecv, route_parts))
+      return;
     const Segments g = build_segments(v, region, lay, smem);
     write_segments(v, g, x_out, scales_out, weights_out, group_sizes, tokens_per_expert);
     for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
@@ -463,8 +542,11 @@ cudaError_t launch_dispatch(const CommView& view, int phases, TokenInput input, 
                             float* weights_out, int32_t* group_sizes,
                             int32_t* tokens_per_expert, int32_t* slot_rows,
                             cudaStream_t stream) {
-  dispatch_kernel<<<view.grid, kExchangeThreads, dispatch_smem_bytes(view.dims), stream>>>(
-      view, phases, input, x, x_scales, topk_ids, topk_weights, num_tokens, send_dest, x_out,
+  auto kernel = phases == kPhaseSend   ? dispatch_kernel<kPhaseSend>
+                : phases == kPhaseRecv ? dispatch_kernel<kPhaseRecv>
+                                       : dispatch_kernel<kPhaseBoth>;
+  kernel<<<view.grid, kExchangeThreads, dispatch_smem_bytes(view.dims), stream>>>(
+      view, input, x, x_scales, topk_ids, topk_weights, num_tokens, send_dest, x_out,
       scales_out, weights_out, group_sizes, tokens_per_expert, slot_rows);
   return cudaGetLastError();
 }

@@ -10,6 +10,18 @@ namespace jax_moe {
 
 __device__ inline int block_warp() { return threadIdx.x / 32; }
 
+constexpr int kMaxWorld = 64;  // ranks of a communicator (state.cc refuses more)
+
+// This block's copy of the peer table. v.peers lives in global memory, where any store the
+// kernel makes might alias it, so every use inside a copy loop was a fresh global load;
+// load_peers() fills this once at kernel start.
+static __shared__ char* block_peers[kMaxWorld];
+
+__device__ inline void load_peers(const CommView& v) {
+  for (int p = threadIdx.x; p < v.dims.world; p += blockDim.x) block_peers[p] = v.peers[p];
+  __syncthreads();
+}
+
 // First token of chunk c (chunk c covers [chunk_begin(c), chunk_begin(c + 1))).
 __device__ inline int chunk_begin(const CommView& v, int c) {
   return part_begin(v.dims.max_tokens, c, v.chunks);
@@ -32,23 +44,35 @@ __device__ inline char* parity_region(char* buffer, const NvlinkLayout& lay, uin
   return buffer + lay.region + (seq & 1) * lay.region_bytes;
 }
 
+// After this block's writes for one flag: the block syncs, then one thread stores seq into
+// flag `index` at `offset` in `buffer` (release, system scope).
+__device__ inline void signal_flag(char* buffer, size_t offset, int index, uint64_t seq) {
+  __syncthreads();
+  if (threadIdx.x == 0) store_release_sys(flag_at(buffer, offset, index), seq);
+}
+
 // After this block's writes for one flag: the block syncs, then thread p (< R) stores seq
 // into flag `index` of the flags at `offset` in rank p's buffer, with release semantics at
 // system scope (cumulative over the block's writes that the barrier ordered before it).
 __device__ inline void signal_peers(const CommView& v, size_t offset, int index, uint64_t seq) {
   __syncthreads();
   for (int p = threadIdx.x; p < v.dims.world; p += blockDim.x)
-    store_release_sys(flag_at(v.peers[p], offset, index), seq);
+    store_release_sys(flag_at(block_peers[p], offset, index), seq);
 }
 
-// Threads p < R wait until flag [p * stride + index] at `offset` in this rank's buffer reaches
-// seq, then the block syncs. False in every thread when any wait gave up (timeout, recorded
-// with peer p, or an earlier timeout of this device): the data behind the flags is not valid.
+// Waits until the flags [p * stride + index + i], p < R, i < per_peer, at `offset` in this
+// rank's buffer reach seq (the block's threads share them), then the block syncs. False in
+// every thread when any wait gave up (timeout, recorded with peer p, or an earlier timeout of
+// this device): the data behind the flags is not valid.
 __device__ inline bool wait_peers(const CommView& v, size_t offset, int stride, int index,
-                                  uint64_t seq, int32_t stage) {
+                                  uint64_t seq, int32_t stage, int per_peer = 1) {
   int ok = 1;
-  for (int p = threadIdx.x; p < v.dims.world; p += blockDim.x)
-    if (!wait_at_least(v, flag_at(v.local, offset, p * stride + index), seq, stage, p)) ok = 0;
+  for (int i = threadIdx.x; i < v.dims.world * per_peer; i += blockDim.x) {
+    const int p = i / per_peer;
+    if (!wait_at_least(v, flag_at(v.local, offset, p * stride + index + i % per_peer), seq,
+                       stage, p))
+      ok = 0;
+  }
   return __syncthreads_and(ok) != 0;
 }
 

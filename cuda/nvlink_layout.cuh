@@ -18,10 +18,28 @@
 
 namespace jax_moe {
 
-// Byte offsets inside one rank's buffer (one allocation, mapped by every peer):
-//   u64 route_flag[R]         source s stores its dispatch seq at [s] after its routes
+// A source routes its slots in `route_blocks` contiguous parts, one block each (the first
+// blocks of the grid), so the pass is not one block's serial work at prefill sizes: one part
+// per kRouteSlotsPerBlock of the T * K slots, at most kMaxRouteBlocks and chunks. (Decode
+// sizes get one part: the parts' exchange of counts costs more than it saves there.)
+constexpr int kMaxRouteBlocks = 16;
+constexpr int kRouteSlotsPerBlock = 2048;
+
+JAX_MOE_HD inline int route_blocks(const MoeDims& d, int chunks) {
+  const long long slots = static_cast<long long>(d.max_tokens) * d.topk;
+  long long parts = (slots + kRouteSlotsPerBlock - 1) / kRouteSlotsPerBlock;
+  if (parts > kMaxRouteBlocks) parts = kMaxRouteBlocks;
+  if (parts > chunks) parts = chunks;
+  return parts < 1 ? 1 : static_cast<int>(parts);
+}
+
+// Byte offsets inside one rank's buffer (one allocation, mapped by every peer); B =
+// route_blocks(d, chunks):
+//   u64 route_flag[R][B]      source s stores its dispatch seq at [s][b] after route part b
 //   u64 rows_flag[R][chunks]  source s stores its dispatch seq at [s][c] after chunk c's rows
 //   u64 comb_flag[R][chunks]  expert rank d stores its combine seq at [d][c] after chunk c
+//   u64 part_flag[B]          this rank's own route blocks: part b stores the seq after its
+//   i32 part_counts[B][E]     per-expert slot counts there (later parts add the earlier ones)
 //   parity region [2], each:
 //     i32 num_tokens[R]        tokens sent by source s (clamped to [0, T])
 //     i32 counts[R][L]         rows of source s for local expert e
@@ -37,6 +55,8 @@ struct NvlinkLayout {
   size_t route_flag;
   size_t rows_flag;
   size_t comb_flag;
+  size_t part_flag;
+  size_t part_counts;
   size_t region;        // start of parity region 0
   size_t region_bytes;  // parity region p starts at region + p * region_bytes
   // offsets inside a parity region
@@ -52,10 +72,13 @@ struct NvlinkLayout {
 JAX_MOE_HD inline NvlinkLayout nvlink_layout(const MoeDims& d, int chunks) {
   const size_t R = d.world, T = d.max_tokens, K = d.topk, H = d.hidden, L = d.local_experts;
   NvlinkLayout b;
+  const size_t B = route_blocks(d, chunks);
   b.route_flag = 0;
-  b.rows_flag = b.route_flag + 8 * R;
+  b.rows_flag = b.route_flag + 8 * R * B;
   b.comb_flag = b.rows_flag + 8 * R * chunks;
-  b.region = align_up(b.comb_flag + 8 * R * chunks, 256);
+  b.part_flag = b.comb_flag + 8 * R * chunks;
+  b.part_counts = b.part_flag + 8 * B;
+  b.region = align_up(b.part_counts + 4 * B * size_t(d.num_experts), 256);
   b.num_tokens = 0;
   b.counts = align_up(b.num_tokens + 4 * R, 16);
   b.slot_code = align_up(b.counts + 4 * R * L, 256);

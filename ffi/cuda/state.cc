@@ -115,6 +115,12 @@ void create_state(std::unique_ptr<CudaRankState> state, size_t buffer_bytes, Ext
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, s.ordinal),
                "cudaDeviceGetAttribute(multiProcessorCount)");
     s.grid = std::max(1, std::min(s.chunks, sms));
+    const int route_parts = route_blocks(s.dims, s.chunks);
+    if (s.grid < route_parts)
+      throw std::invalid_argument(
+          "Communicator(backend='cuda'): MoEConfig.num_sms (" + std::to_string(s.chunks) +
+          ") needs at least " + std::to_string(route_parts) + " SMs on device " +
+          std::to_string(s.ordinal) + ", which has " + std::to_string(sms));
     check_cuda(cudaMalloc(&s.buffer, buffer_bytes), "cudaMalloc(communication buffer)");
     check_cuda(cudaMemset(s.buffer, 0, buffer_bytes), "cudaMemset(communication buffer)");
     check_cuda(cudaMalloc(&s.counters, sizeof(DeviceCounters)), "cudaMalloc(counters)");
