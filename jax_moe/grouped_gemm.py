@@ -174,25 +174,28 @@ def implementation_for(lhs, rhs, group_sizes=None, *, precision=None,
 
 
 # ------------------------------------------------------------------------ tuned configs
-# Tile configs for tokamax's sm90 kernel, chosen by benchmarks/bench_grouped_gemm.py's sweep on
-# one H200 (results in benchmarks/results/grouped-gemm-*/); tokamax's own autotuning cache has
-# H100 entries only, so without these an H200 gets tokamax's heuristic (64x64x128 tiles, two
-# stages, not persistent). Keys: "decode" when the mean group holds < 64 rows, else "prefill".
+# Tile configs for tokamax's sm90 kernel, chosen by benchmarks/bench_grouped_gemm.py's sweeps on
+# one H200 (benchmarks/results/grouped-gemm-54403af/); tokamax's own autotuning cache has H100
+# entries only, so without these an H200 gets tokamax's heuristic (64x64x128 tiles, two stages,
+# not persistent). Keys: "decode" when the mean group holds fewer than 256 rows, else
+# "prefill" (measured at 4, 64 and 1024 rows per group; the boundary between is a guess).
 # Each value is the keyword arguments of tokamax's pallas_mosaic_gpu.Config.
 SM90_CONFIGS: dict[str, dict[str, Any]] = {
     # 128x128 output tiles, 64-wide K steps, 4 stages, one CTA per SM walking N-minor strips of
-    # 8: 1777 us at 32768 x 32 x 7168 -> 2048 against 3381 us for the heuristic (H200, b63b35b)
+    # 8: 1544 us at 32768 x 32 x 7168 -> 2048 and 634 us at 32768 x 16 x 4096 -> 1536, against
+    # 3105 and 1262 us for the heuristic
     "prefill": dict(block_m=128, block_n=128, block_k=64, num_stages=4, split_k=1,
                     persistent=True, grid_minor_dim=1, grid_tile_width=8),
-    # 64x128 tiles, 128-wide K steps, 4 stages: 1710 us at 1024 x 256 x 7168 -> 2048 against
-    # 1848 us for the heuristic (64x64 tiles, 2 stages)
+    # 64x128 tiles, 128-wide K steps, 4 stages: 1703 us at 1024 x 256 x 7168 -> 2048 against
+    # 1849 us for the heuristic; 59 us against 57 us at 1024 x 16 x 4096 -> 1536
     "decode": dict(block_m=64, block_n=128, block_k=128, num_stages=4, split_k=1,
                    persistent=False, grid_minor_dim=0, grid_tile_width=1),
 }
+DECODE_ROWS_PER_GROUP = 256
 
 
 def _shape_class(m: int, g: int) -> str:
-  return "decode" if m < 64 * g else "prefill"
+  return "decode" if m < DECODE_ROWS_PER_GROUP * max(g, 1) else "prefill"
 
 
 def tuned_config(m: int, k: int, n: int, g: int, device=None) -> dict[str, Any] | None:

@@ -193,6 +193,14 @@ def test_tokamax_wrapper_zeroes_the_tail_and_clamps(rng, stand_in_kernel, case):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_tuned_config_classes(stand_in_kernel):
+    """The issue's shapes get the config measured best for them (stand-in Hopper device)."""
+    assert gg.tuned_config(1024, 7168, 2048, 256) == gg.SM90_CONFIGS["decode"]    # 4 rows/group
+    assert gg.tuned_config(1024, 4096, 1536, 16) == gg.SM90_CONFIGS["decode"]     # 64 rows/group
+    assert gg.tuned_config(32768, 7168, 2048, 32) == gg.SM90_CONFIGS["prefill"]   # 1024
+    assert gg.tuned_config(32768, 4096, 1536, 16) == gg.SM90_CONFIGS["prefill"]   # 2048
+
+
 def test_tokamax_wrapper_dispatch_rule(rng, stand_in_kernel):
     m, sizes = CASES["uneven"]
     x, w, gs = _inputs(rng, m, sizes, k=128, n=64, dtype=jnp.bfloat16)
@@ -328,5 +336,6 @@ def test_bench_grouped_gemm_quick_runs_on_cpu(tmp_path):
     assert {r["status"] for r in payload["results"] if r["family"] in ("lax", "einsum", "auto")} \
         == {"ok"}
     # (no sign asserted: on a busy CPU the difference of two tiny loop times can be negative)
-    assert np.isfinite([payload["floors"]["peak"]["tflops"], payload["floors"]["copy"]["tb_per_s"]]).all()
+    floors = payload["floors"]
+    assert np.isfinite([floors["peak"]["tflops"], floors["copy"]["tb_per_s"]]).all()
     assert sum(payload["shapes"]["prefill-tiny"]["group_sizes"]) == 512
