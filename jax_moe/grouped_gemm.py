@@ -7,7 +7,9 @@ Semantics are `jax.lax.ragged_dot`'s for x [M, K], w [G, K, N], integer group_si
 rows [s_g, s_g + group_sizes[g]) of x (s_g the sum of the sizes before g) are multiplied by
 w[g]; rows past sum(group_sizes) give zeros; a group of size 0 contributes nothing; rows past
 M (sum(group_sizes) > M) are ignored. Negative sizes are invalid (lax.ragged_dot then lets
-groups overlap; the tokamax path treats them as 0). The result has dtype
+groups overlap; the tokamax path treats them as 0). Rows of x past the groups never reach
+the output, whatever they hold (NaN included: dispatch leaves them unspecified; checked for
+lax.ragged_dot on XLA:CPU and for the tokamax wrapper). The result has dtype
 `preferred_element_type`, or the promoted input dtype when None.
 
 Implementations (`implementation=`):

@@ -64,6 +64,24 @@ def test_matches_lax_ragged_dot_bit_for_bit(rng, case, implementation):
     assert not np.asarray(got)[covered:].any(), "rows past the groups must be zeros"
 
 
+@pytest.mark.parametrize("implementation", ["auto", "lax"])
+def test_garbage_rows_past_the_groups_give_zeros(rng, implementation):
+    """Rows past sum(group_sizes) may hold anything (the cuda backend's dispatch leaves them
+    unspecified): they never reach the output."""
+    m, sizes = CASES["short"]
+    x, w, gs = _inputs(rng, m, sizes)
+    x = x.at[sum(sizes):].set(jnp.nan)
+    got = np.asarray(gg.ragged_dot(x, w, gs, implementation=implementation))
+    assert np.isfinite(got).all() and not got[sum(sizes):].any()
+
+
+def test_garbage_rows_give_zeros_on_the_tokamax_wrapper(rng, stand_in_kernel):
+    m, sizes = CASES["short"]
+    x, w, gs = _inputs(rng, m, sizes, k=128, n=64, dtype=jnp.bfloat16)
+    got = np.asarray(gg.ragged_dot(x.at[sum(sizes):].set(jnp.nan), w, gs), np.float32)
+    assert stand_in_kernel and np.isfinite(got).all() and not got[sum(sizes):].any()
+
+
 @pytest.mark.parametrize("dtype,out", [(jnp.bfloat16, None), (jnp.bfloat16, jnp.float32),
                                        (jnp.float32, jnp.bfloat16), (jnp.float16, None)])
 def test_dtypes_and_preferred_element_type_follow_lax(rng, dtype, out):
