@@ -5,6 +5,7 @@
 # exact) on the arrays XLA hands to the FFI calls. Build first (benchmarks/gpu_run.sh).
 # Logs go to $OUT (the device tool's output folder) or ./gpu_logs.
 #   benchmarks/gpu_memcheck.sh [STEP...]   (default: ep1 ep2)
+#   race1 the same two cases under racecheck (shared-memory hazards between a block's threads)
 #   ep1   the two axis_size=1 cases of tests/gpu/test_cuda_backend.py (fp8 + source; bf16 +
 #         expert with padding): every kernel, no peer
 #   ep2   one axis_size=2 case (split calls, expert combine, bf16 partials): writes to the peer
@@ -16,9 +17,10 @@ steps=("$@")
 logs=${OUT:-$PWD/gpu_logs}
 mkdir -p "$logs"
 
-# parity CASE: pytest node id of one case of the parity test in tests/gpu/test_cuda_backend.py
+# parity CASE: pytest node id of one case of the parity test in tests/gpu/test_cuda_backend.py,
+# on the NVLink path (the test's `path` fixture comes first in the id)
 parity() {
-  echo "tests/gpu/test_cuda_backend.py::test_cuda_on_poisoned_memory_matches_reference_and_xla[$1]"
+  echo "tests/gpu/test_cuda_backend.py::test_cuda_on_poisoned_memory_matches_reference_and_xla[nvlink-$1]"
 }
 
 find_sanitizer() {
@@ -43,17 +45,20 @@ if ! sanitizer=$(find_sanitizer); then
 fi
 echo "sanitizer: $sanitizer ($("$sanitizer" --version | grep -i version | head -1))"
 
-# check NAME SECONDS TIMEOUT_S NODE...: one pytest run under memcheck with a hard time limit.
+# check NAME SECONDS TIMEOUT_S NODE...: one pytest run under $TOOL (memcheck unless set) with a
+# hard time limit.
 # Sanitized kernels run many times slower, so a peer's wait gets TIMEOUT_S instead of 10 s.
 failed=0
 check() {
   local name=$1 seconds=$2 kernel_timeout=$3
   shift 3
-  local log="$logs/memcheck_$name.log" started rc
+  local log="$logs/sanitizer_$name.log" started rc tool=${TOOL:-memcheck}
+  local tool_args=(--tool "$tool")
+  [ "$tool" = memcheck ] && tool_args+=(--leak-check no)
   started=$(date +%s)
   XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
     JAX_MOE_TIMEOUT_S=$kernel_timeout PYTHONUNBUFFERED=1 \
-    timeout -s KILL "$seconds" "$sanitizer" --tool memcheck --leak-check no \
+    timeout -s KILL "$seconds" "$sanitizer" "${tool_args[@]}" \
       --report-api-errors no --print-limit 50 --error-exitcode 86 \
       python3 -m pytest -q -p no:cacheprovider "$@" > "$log" 2>&1
   rc=$?
@@ -76,9 +81,11 @@ for step in "${steps[@]}"; do
   case $step in
     ep1) check ep1 280 60 "$(parity axis_size=1,dispatch=fp8)" \
            "$(parity axis_size=1,dispatch=bf16,combine_reduce=expert,expert_padding=16)" ;;
+    race1) TOOL=racecheck check race1 280 60 "$(parity axis_size=1,dispatch=fp8)" \
+           "$(parity axis_size=1,dispatch=bf16,combine_reduce=expert,expert_padding=16)" ;;
     ep2) check ep2 260 60 \
            "$(parity axis_size=2,dispatch=bf16,combine_reduce=expert,partial_dtype=bfloat16,split=True)" ;;
-    *) echo "unknown step $step (steps: ep1 ep2)"; exit 2 ;;
+    *) echo "unknown step $step (steps: ep1 race1 ep2)"; exit 2 ;;
   esac
 done
 exit $failed

@@ -50,6 +50,12 @@ from jax_moe.sharding import shard_map
 
 WIRES = ("exact", "bf16", "fp8")
 GEMM_IMPLEMENTATION = "auto"  # grouped_gemm.ragged_dot's `implementation` for the experts
+# Prefill-sized calls (at least this many tokens per shard) on more than one rank combine in
+# "expert" mode: each expert rank sends one partial sum per token instead of one row per slot
+# (K rows -> at most R partials), with partials in PARTIAL_DTYPE (bf16 halves the bytes again;
+# set jnp.float32 for f32 partials). Decode-sized calls keep "source" mode.
+EXPERT_REDUCE_MIN_TOKENS = 256
+PARTIAL_DTYPE = jnp.bfloat16
 
 
 def default_wire(dtype) -> str:
@@ -169,9 +175,12 @@ class RoutedExperts(nnx.Module):
       return jm.MoEConfig(num_experts=self.num_experts, experts_per_token=1, hidden=3 * self.dim,
                           max_tokens=per_shard * self.experts_per_token,
                           dispatch_dtype=jnp.bfloat16)
+    expert = self.rules.axis_size > 1 and per_shard >= EXPERT_REDUCE_MIN_TOKENS
     return jm.MoEConfig(num_experts=self.num_experts, experts_per_token=self.experts_per_token,
                         hidden=self.dim, max_tokens=per_shard,
-                        dispatch_dtype=jnp.float8_e4m3fn if self.wire == "fp8" else jnp.bfloat16)
+                        dispatch_dtype=jnp.float8_e4m3fn if self.wire == "fp8" else jnp.bfloat16,
+                        combine_reduce="expert" if expert else "source",
+                        partial_dtype=PARTIAL_DTYPE if expert else jnp.float32)
 
   def __call__(self, x_td, topk_ids_tk, topk_weights_tk):
     lead_shape = x_td.shape[:-1]

@@ -59,8 +59,11 @@ def _dense(x, ids, w, weights, round_h):
   return out, magnitude
 
 
+# 1100 tokens on 4 devices: a prefill-sized call (275 per shard), combined in "expert" mode
+# with bf16 partials (moe.EXPERT_REDUCE_MIN_TOKENS).
 @pytest.mark.parametrize("wire,devices,tokens", [
-    ("exact", None, 13), ("exact", 1, 5), ("bf16", None, 3), ("bf16", 4, 16), ("fp8", None, 9)])
+    ("exact", None, 13), ("exact", 1, 5), ("bf16", None, 3), ("bf16", 4, 16), ("fp8", None, 9),
+    ("bf16", 4, 1100)])
 def test_routed_experts_match_dense(mesh_of, ep_mesh, backend, rng, wire, devices, tokens):
   """devices None: all of them (8 CPU devices, or the GPUs)."""
   mesh = ep_mesh if devices is None else mesh_of(devices)
@@ -87,6 +90,15 @@ def test_routed_experts_match_dense(mesh_of, ep_mesh, backend, rng, wire, device
   else:
     excess = np.abs(out - ref) - 2.0 ** -7 * magnitude
     assert excess.max() <= 0, f"{wire}: error over the bound by {excess.max():.3g}"
+
+
+def test_prefill_sized_calls_combine_in_expert_mode_with_bf16_partials(mesh_of):
+  layer, _ = _experts(mesh_of(4), jnp.bfloat16, "bf16")
+  prefill, decode = layer.moe_config(4 * 256), layer.moe_config(4 * 255)
+  assert (prefill.combine_reduce, prefill.partial_dtype) == ("expert", jnp.dtype(jnp.bfloat16))
+  assert (decode.combine_reduce, decode.partial_dtype) == ("source", jnp.dtype(jnp.float32))
+  one_rank, _ = _experts(mesh_of(1), jnp.bfloat16, "bf16")
+  assert one_rank.moe_config(4096).combine_reduce == "source"  # nothing to save on one rank
 
 
 def test_split_f32_is_exact(rng):
