@@ -3,7 +3,8 @@
 `CheckpointReader` memory-maps every shard (model.safetensors or the shards named by
 model.safetensors.index.json) and reads only the slice asked for, so each device's part of a
 sharded weight is read from disk without a full host copy (`jax.make_array_from_callback`);
-an fp8 weight with block scales is dequantized whole (f32) before its slice is taken.
+an fp8 weight with block scales is dequantized per slice (f32; only the blocks the slice
+touches).
 bf16 and fp8 tensors are viewed with ml_dtypes; fp8 weights that come with a
 `weight_scale_inv` are dequantized by `fp8_weights.dequantize_block_fp8` (DeepSeek).
 
@@ -96,9 +97,29 @@ class CheckpointReader:
     scale_name = name + fp8_weights.SCALE_SUFFIX
     if self.has(scale_name):
       block = fp8_weights.block_size_from_config(self.config) or fp8_weights.DEFAULT_BLOCK
-      full = fp8_weights.dequantize_block_fp8(self._array(name), self._array(scale_name), block)
-      return np.ascontiguousarray(full[index])
+      return self._dequantized_slice(name, scale_name, index, block)
     return np.array(self._array(name)[index])
+
+  def _dequantized_slice(self, name: str, scale_name: str, index, block) -> np.ndarray:
+    """The slice `index` of a block-fp8 weight [out, in], dequantized from the codes and scales
+    of the blocks it touches only (a device's slice, not the whole tensor)."""
+    codes = self._array(name)
+    if codes.ndim != 2:  # dequantize_block_fp8 reports the shape
+      full = fp8_weights.dequantize_block_fp8(codes, self._array(scale_name), block)
+      return np.ascontiguousarray(full[index])
+    bounds = [s.indices(n) for s, n in zip(index, codes.shape)]
+    if any(step != 1 for _, _, step in bounds):
+      full = fp8_weights.dequantize_block_fp8(codes, self._array(scale_name), block)
+      return np.ascontiguousarray(full[index])
+    # whole blocks around the slice, then the slice inside them
+    (r0, r1, _), (c0, c1, _) = bounds
+    (bo, bi), rows, cols = block, codes.shape[0], codes.shape[1]
+    R0, C0 = r0 // bo, c0 // bi
+    R1, C1 = max(-(-r1 // bo), R0), max(-(-c1 // bi), C0)
+    part = fp8_weights.dequantize_block_fp8(
+        codes[R0 * bo:min(R1 * bo, rows), C0 * bi:min(C1 * bi, cols)],
+        self._array(scale_name)[R0:R1, C0:C1], block)
+    return np.ascontiguousarray(part[r0 - R0 * bo:r1 - R0 * bo, c0 - C0 * bi:c1 - C0 * bi])
 
 
 def _flat_params(model):
