@@ -7,12 +7,15 @@ Greedy picks the first index of the largest logit (jnp.argmax), as torch.argmax 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 
 def forward(model, input_ids_bs, cache=None):
@@ -124,3 +127,171 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
   B, S = input_ids.shape
   generator = Generator(model, B, S, max_new_tokens, temperature, top_p)
   return generator(jnp.asarray(input_ids, jnp.int32), key)
+
+
+# ------------------------------------------------------------------- prompts of any lengths
+@dataclasses.dataclass
+class Completion:
+  """What `PromptGenerator.run` produced: per sequence, the generated ids (an end-of-sequence
+  id included when one stopped it), and the timings."""
+  tokens: list[list[int]]
+  prefill_s: float
+  decode_s: float
+  decode_steps: int      # decode calls made (prompt tokens past the shortest prompt included)
+  stopped: list[bool]    # the sequence ended with an end-of-sequence id
+
+
+def _replicated(x, mesh):
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+
+
+def _host_value(array) -> np.ndarray:
+  """A fully replicated array's value, in every process (each holds a copy)."""
+  return np.asarray(array.addressable_data(0))
+
+
+def _global(host: np.ndarray, sharding):
+  """A global array of `host` (the same in every process) with `sharding`."""
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+class PromptGenerator:
+  """Generation for a list of prompts of any lengths and any count, on any mesh.
+
+  The prompts sit left-aligned in a [B, longest] array. Prefill runs on the first `shortest`
+  tokens of every prompt (all real tokens); each decode step then feeds, per sequence, its
+  next prompt token while it has one and its last generated token after that (the llama
+  reference's scheme), so no sequence ever attends to padding and nothing needs masking.
+  A batch that does not split evenly over the expert axis is padded with copies of the
+  first prompt when it has more sequences than the axis (batch-sharded attention), else left
+  replicated; padding sequences are dropped from the results.
+
+  Works unchanged across `jax.distributed` processes: inputs are global arrays built in every
+  process from the same host values, and each step's tokens come back replicated, so every
+  process sees every token and takes the same stop decisions (every process must call `run`
+  with the same arguments).
+  """
+
+  def __init__(self, model, prompts, max_new_tokens: int, temperature: float = 0.0,
+               top_p: float = 1.0):
+    prompts = [[int(t) for t in p] for p in prompts]
+    if not prompts or min(len(p) for p in prompts) < 1 or max_new_tokens < 1:
+      raise ValueError(f"generate: needs at least one prompt, every prompt at least one token "
+                       f"and max_new_tokens >= 1; got {len(prompts)} prompt(s) of lengths "
+                       f"{[len(p) for p in prompts]}, max_new_tokens {max_new_tokens}")
+    bad = [t for p in prompts for t in p if not 0 <= t < model.vocab_size]
+    if bad:
+      raise ValueError(f"generate: prompt ids must be in [0, {model.vocab_size}), got {bad[:5]}")
+    _check_sampling(temperature, top_p)
+    self.model, self.max_new_tokens, self.temperature = model, max_new_tokens, temperature
+    self.num_sequences = len(prompts)
+    R = model.rules.axis_size
+    batch = len(prompts)
+    if batch > R and batch % R:
+      prompts = prompts + [prompts[0]] * (R - batch % R)
+    self.batch = len(prompts)
+    self.lengths = np.array([len(p) for p in prompts], np.int32)
+    self.shortest, self.longest = int(self.lengths.min()), int(self.lengths.max())
+    self.total_len = self.longest + max_new_tokens
+    limit = getattr(model.cfg, "max_position_embeddings", None)
+    if limit is not None and self.total_len > limit:
+      raise ValueError(f"generate: the longest prompt ({self.longest} tokens) plus "
+                       f"max_new_tokens ({max_new_tokens}) exceeds the model's "
+                       f"max_position_embeddings ({limit})")
+    ids = np.zeros((self.batch, self.longest), np.int32)
+    for i, p in enumerate(prompts):
+      ids[i, :len(p)] = p
+    mesh = model.rules.mesh
+    model.prepare(self.batch, self.shortest)  # communicators allocate: built outside jit
+    model.prepare(self.batch, 1)
+    rows = model.rules.sharding(ids.shape, ("batch", None))
+    self._ids = _global(ids, rows)
+    self._prefill_ids = _global(np.ascontiguousarray(ids[:, :self.shortest]), rows)
+    self._lengths = _global(self.lengths, model.rules.sharding(self.lengths.shape, ("batch",)))
+    self.graphdef, self.state = nnx.split(model)
+    graphdef, batch_, total_len = self.graphdef, self.batch, self.total_len
+    pick = functools.partial(sample, temperature=temperature, top_p=top_p)
+
+    def prefill(state, ids_bs, seed):
+      model = nnx.merge(graphdef, state)
+      cache = model.init_cache(batch_, total_len)
+      logits_bsv, cache = model(ids_bs, cache=cache)
+      token_b = pick(logits_bsv[:, -1], jax.random.fold_in(jax.random.key(seed), cache.index))
+      return token_b, _replicated(token_b, mesh), cache
+
+    def step(state, token_b, cache, ids_bs, lengths_b, seed):
+      position = cache.index  # of the token fed now
+      prompt_b = jax.lax.dynamic_index_in_dim(ids_bs, jnp.minimum(position, ids_bs.shape[1] - 1),
+                                              axis=1, keepdims=False)
+      token_b = jnp.where(position < lengths_b, prompt_b, token_b)
+      logits_bsv, cache = nnx.merge(graphdef, state)(token_b[:, None], cache=cache)
+      token_b = pick(logits_bsv[:, -1], jax.random.fold_in(jax.random.key(seed), cache.index))
+      return token_b, _replicated(token_b, mesh), cache
+
+    platform = mesh.devices.flat[0].platform
+    self._prefill = jax.jit(prefill)
+    self._step = jax.jit(step, donate_argnames=() if platform == "cpu" else ("cache",))
+    self._seed_sharding = NamedSharding(mesh, P())
+
+  def _seed(self, seed: int):
+    return _global(np.array(seed, np.uint32), self._seed_sharding)
+
+  def warmup(self) -> None:
+    """Compiles (and runs once) the prefill and the decode step, so `run` times no compile."""
+    seed = self._seed(0)
+    token_b, replicated, cache = self._prefill(self.state, self._prefill_ids, seed)
+    out = self._step(self.state, token_b, cache, self._ids, self._lengths, seed)
+    jax.block_until_ready(out[1])
+    self.model.pool.check()
+
+  def run(self, seed: int = 0, eos_ids=(), on_token=None, ignore_eos: bool = False,
+          check_every: int = 1) -> Completion:
+    """Generates up to max_new_tokens per sequence; a sequence stops after an id of `eos_ids`
+    (unless ignore_eos) and the run ends once every sequence stopped.
+
+    on_token(sequence, token_id) is called for each generated token as it arrives (in
+    order per sequence). Communicator errors are checked every `check_every` steps and at
+    the end (jm.CommError).
+    """
+    seed_array, eos = self._seed(seed), set(int(e) for e in eos_ids) if not ignore_eos else set()
+    n = self.num_sequences
+    generated = [[] for _ in range(n)]
+    stopped = [False] * n
+    started = time.perf_counter()
+    token_b, replicated, cache = self._prefill(self.state, self._prefill_ids, seed_array)
+    position = self.shortest  # of the token `replicated` holds
+    # One step in flight: the next is launched before this one's tokens are read.
+    steps = self.total_len - self.shortest - 1
+    prefill_s = None
+    decode_start, decode_steps = None, 0
+    for k in range(steps + 1):
+      pending = None
+      if k < steps and not all(stopped):
+        pending = self._step(self.state, token_b, cache, self._ids, self._lengths, seed_array)
+      tokens = _host_value(replicated)
+      if prefill_s is None:
+        prefill_s = time.perf_counter() - started
+        decode_start = time.perf_counter()
+      if k % check_every == 0:
+        self.model.pool.check()
+      for i in range(n):
+        if stopped[i] or position < self.lengths[i] or len(generated[i]) >= self.max_new_tokens:
+          continue
+        token = int(tokens[i])
+        generated[i].append(token)
+        if on_token is not None:
+          on_token(i, token)
+        if token in eos:
+          stopped[i] = True
+      finished = all(s or len(g) >= self.max_new_tokens for s, g in zip(stopped, generated))
+      if pending is None or finished:
+        if pending is not None:
+          jax.block_until_ready(pending[1])
+          decode_steps += 1
+        break
+      token_b, replicated, cache = pending
+      decode_steps += 1
+      position += 1
+    decode_s = time.perf_counter() - decode_start
+    self.model.pool.check()
+    return Completion(generated, prefill_s, decode_s, decode_steps, stopped)
