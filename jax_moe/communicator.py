@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -14,6 +17,38 @@ from jax_moe.errors import CommError
 BACKENDS = ("xla", "cuda", "host")
 
 
+_serials = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Owner:
+  """Which communicator made a handle: static data of the handle's pytree."""
+  serial: int
+  description: str
+
+
+@jax.tree_util.register_pytree_node_class
+class Handle:
+  """A backend's handle (or pending half) tagged with the communicator that made it.
+
+  The tag is static pytree data, so a handle used with another communicator is refused while
+  tracing, before anything runs.
+  """
+
+  def __init__(self, owner: _Owner, kind: str, inner):
+    self.owner, self.kind, self.inner = owner, kind, inner
+
+  def tree_flatten(self):
+    return (self.inner,), (self.owner, self.kind)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(aux[0], aux[1], children[0])
+
+  def __repr__(self):
+    return f"Handle({self.kind} of {self.owner.description})"
+
+
 class Dispatched(NamedTuple):
   """Rows received by one rank, in the deterministic layout of docs/semantics.md."""
   x: jax.Array                  # [capacity, hidden] dispatch dtype
@@ -21,7 +56,7 @@ class Dispatched(NamedTuple):
   weights: jax.Array            # [capacity] f32 router weight of each row, 0 on padding
   group_sizes: jax.Array        # [L] int32 rows per local expert incl. padding (ragged_dot)
   tokens_per_expert: jax.Array  # [L] int32 real rows per local expert
-  handle: Any                   # backend pytree that combine needs; valid for one combine
+  handle: Any                   # Handle that combine needs; valid for one combine
 
 
 def _platform(mesh) -> str:
@@ -95,6 +130,12 @@ class Communicator:
     else:
       from jax_moe.backends.xla import XlaBackend
       self._backend = XlaBackend(cfg, mesh, axis)
+    serial = next(_serials)
+    self._owner = _Owner(serial, f"Communicator #{serial} ({self.backend_name}, axis {axis!r} "
+                                 f"of mesh {dict(mesh.shape)})")
+    self._closed = False
+    # Native state is freed when the communicator is collected without close() too.
+    self._finalizer = weakref.finalize(self, self._backend.close)
 
   # ------------------------------------------------------------ lifecycle
   def check(self) -> None:
@@ -104,7 +145,14 @@ class Communicator:
       raise CommError(*err)
 
   def close(self) -> None:
-    self._backend.close()
+    """Frees the native state. Programs traced with this communicator must not run again;
+    tracing new ones is refused."""
+    self._closed = True
+    self._finalizer()
+
+  @property
+  def closed(self) -> bool:
+    return self._closed
 
   def __enter__(self):
     return self
@@ -113,6 +161,43 @@ class Communicator:
     self.close()
 
   # ------------------------------------------------------------ argument checks
+  def _check_context(self, fn: str) -> None:
+    """Refuses, while tracing, a call outside `jax.shard_map` over this communicator's mesh
+    (no shard_map, another axis name, another mesh shape) and a call after close()."""
+    if self._closed:
+      raise ValueError(f"Communicator.{fn}: {self._owner.description} is closed")
+    want = dict(self.mesh.shape)
+    context = jax.sharding.get_abstract_mesh()
+    have = dict(context.shape) if context is not None and not context.empty else {}
+    manual = set(getattr(context, "manual_axes", have)) if have else set()
+    if have != want or self.axis not in manual:
+      where = (f"a context with mesh axes {have}" if have else
+               "no shard_map (outside jax.shard_map)")
+      raise ValueError(
+          f"Communicator.{fn}: call it inside jax.shard_map over the communicator's mesh "
+          f"{want} (axis {self.axis!r} manual), as it was built; got {where}. Build one "
+          f"Communicator per mesh.")
+
+  def _unwrap(self, fn: str, arg_name: str, value, kind: str):
+    """The backend's part of a Handle made by this communicator's `kind` call."""
+    if not isinstance(value, Handle):
+      raise TypeError(f"Communicator.{fn}: {arg_name} must be what this communicator's "
+                      f"{kind} returned, got {type(value).__name__}")
+    if value.owner != self._owner:
+      raise ValueError(f"Communicator.{fn}: {arg_name} comes from {value.owner.description}, "
+                       f"not from this one ({self._owner.description}); a handle is valid "
+                       f"only with the communicator whose dispatch made it")
+    if value.kind != kind:
+      raise TypeError(f"Communicator.{fn}: {arg_name} is the result of {value.kind}, "
+                      f"expected the result of {kind}")
+    return value.inner
+
+  def _tag(self, kind: str, inner) -> Handle:
+    return Handle(self._owner, kind, inner)
+
+  def _tagged(self, r: Dispatched) -> Dispatched:
+    return r._replace(handle=self._tag("dispatch", r.handle))
+
   def _check_dispatch_args(self, fn, x, topk_ids, topk_weights, num_tokens):
     cfg = self.cfg
     T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
@@ -146,27 +231,37 @@ class Communicator:
   def dispatch(self, x, topk_ids, topk_weights, num_tokens=None) -> Dispatched:
     """Sends every routed (token, slot) row to the rank of its expert; see Dispatched."""
     self.check()
+    self._check_context("dispatch")
     args = self._check_dispatch_args("dispatch", x, topk_ids, topk_weights, num_tokens)
-    return self._backend.dispatch(*args)
+    return self._tagged(self._backend.dispatch(*args))
 
   def combine(self, y, handle) -> jax.Array:
     """out[t] = sum over routed k of w[t, k] * y[row(t, k)], accumulated in f32."""
     self.check()
+    self._check_context("combine")
+    inner = self._unwrap("combine", "handle", handle, "dispatch")
     self._check_y("combine", y)
-    return self._backend.combine(y, handle)
+    return self._backend.combine(y, inner)
 
   def dispatch_send(self, x, topk_ids, topk_weights, num_tokens=None):
     self.check()
+    self._check_context("dispatch_send")
     args = self._check_dispatch_args("dispatch_send", x, topk_ids, topk_weights, num_tokens)
-    return self._backend.dispatch_send(*args)
+    return self._tag("dispatch_send", self._backend.dispatch_send(*args))
 
   def dispatch_recv(self, pending) -> Dispatched:
-    return self._backend.dispatch_recv(pending)
+    self._check_context("dispatch_recv")
+    inner = self._unwrap("dispatch_recv", "pending", pending, "dispatch_send")
+    return self._tagged(self._backend.dispatch_recv(inner))
 
   def combine_send(self, y, handle):
     self.check()
+    self._check_context("combine_send")
+    inner = self._unwrap("combine_send", "handle", handle, "dispatch")
     self._check_y("combine_send", y)
-    return self._backend.combine_send(y, handle)
+    return self._tag("combine_send", self._backend.combine_send(y, inner))
 
   def combine_recv(self, pending) -> jax.Array:
-    return self._backend.combine_recv(pending)
+    self._check_context("combine_recv")
+    return self._backend.combine_recv(
+        self._unwrap("combine_recv", "pending", pending, "combine_send"))

@@ -71,11 +71,18 @@ class HostBackend(CudaBackend):
   name = "host"
 
   def _make_ranks(self, mesh, axis: str):
-    return HostRanks(mesh, axis, self._create_rank)
+    ranks = HostRanks(mesh, axis, self._create_rank)  # checks that _ordered_ffi() exists
+    _ordered_ffi().drop_failed_token()
+    return ranks
+
+  def check(self):
+    _ordered_ffi().drop_failed_token()
+    return super().check()
 
   def _create_rank(self, comm_id: int, ordinal: int, rank: int) -> None:
     native.load().host_create_rank(comm_id=comm_id, ordinal=ordinal, **self._rank_sizes(rank))
 
   def _call(self, target: str, result_types, *args):
+    _ordered_ffi().drop_failed_token()
     return _ordered_ffi().ordered_ffi_call(target, result_types, *args,
                                            comm_id=np.int64(self.comm_id))

@@ -9,6 +9,11 @@ an ordered effect, as `io_callback(ordered=True)` does: JAX threads one token th
 such call in program order (and across jitted calls), so each device runs them in the order
 the program wrote them. The FFI handler takes the token as its first argument and returns it
 as its first result.
+
+A program that fails leaves an errored token behind, and JAX would hand it to every later
+ordered program, failing them all; `drop_failed_token` forgets such a token (the host backend
+calls it whenever a communicator is built, checked or traced), so one failed call does not take
+the process down.
 """
 
 from __future__ import annotations
@@ -68,3 +73,18 @@ def ordered_ffi_call(target: str, result_types, *args, **attrs):
   results = _ordered_ffi_call_p.bind(*args, target=target, result_avals=result_avals,
                                      attrs=tuple(sorted(attrs.items())))
   return results[0] if single else tuple(results)
+
+
+def drop_failed_token() -> bool:
+  """Forgets this effect's token when the program that produced it failed. Returns whether it
+  did. A token still being computed is left alone (its program may yet succeed)."""
+  tokens = getattr(getattr(dispatch, "runtime_tokens", None), "current_tokens", {})
+  token = tokens.get(_EFFECT)
+  if token is None or not token._buf.is_ready():
+    return False
+  try:
+    token.block_until_ready()
+  except Exception:  # the failure was already raised to whoever ran that program
+    tokens.pop(_EFFECT, None)
+    return True
+  return False

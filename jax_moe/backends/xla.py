@@ -66,24 +66,25 @@ def _first_error(candidates) -> jax.Array:
 
 
 class ErrorWord:
-  """Host-side error record (code, stage, rank, detail); the first error wins."""
+  """Host-side error records (code, stage, rank, detail): each rank's first error wins, and
+  take() returns the lowest rank's (the host and cuda backends' rule), clearing them all."""
 
   def __init__(self):
     self._lock = threading.Lock()
-    self._value: tuple[int, int, int, int] | None = None
+    self._by_rank: dict[int, tuple[int, int, int, int]] = {}
 
   def record(self, err, rank) -> None:
     err = np.asarray(err).reshape(-1)
     if int(err[0]) == ErrorCode.OK:
       return
+    rank = int(np.asarray(rank).reshape(()))
     with self._lock:
-      if self._value is None:
-        self._value = (int(err[0]), int(err[1]), int(np.asarray(rank).reshape(())), int(err[2]))
+      self._by_rank.setdefault(rank, (int(err[0]), int(err[1]), rank, int(err[2])))
 
   def take(self) -> tuple[int, int, int, int] | None:
     with self._lock:
-      value, self._value = self._value, None
-    return value
+      by_rank, self._by_rank = self._by_rank, {}
+    return by_rank[min(by_rank)] if by_rank else None
 
 
 class XlaBackend:

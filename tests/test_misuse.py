@@ -1,0 +1,181 @@
+"""Misuse a real program makes by accident is refused while tracing, or recovered from, on
+every backend; it never runs silently wrong, never hangs, never poisons the process.
+
+Covers: a handle (or pending half) from another communicator, a call under jit outside
+shard_map, a communicator under another mesh than its own (renamed axis, 2-D mesh, a subset),
+a closed communicator, a failed host program followed by valid programs, communicators
+dropped without close(), and the lowest-rank rule when several ranks record errors.
+"""
+
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_moe as jm
+from jax_moe.sharding import shard_map
+from meshes import make_mesh
+
+AXIS = "ep"
+R, T, H, E, K = 4, 8, 128, 8, 2
+
+
+def config(**overrides):
+  fields = dict(num_experts=E, experts_per_token=K, hidden=H, max_tokens=T,
+                dispatch_dtype=jnp.bfloat16)
+  fields.update(overrides)
+  return jm.MoEConfig(**fields)
+
+
+def inputs(rng, rows=R * T):
+  x = jnp.asarray(rng.standard_normal((rows, H)), jnp.bfloat16)
+  ids = jnp.asarray(rng.integers(0, E, (rows, K)), jnp.int32)
+  w = jnp.asarray(rng.random((rows, K)), jnp.float32)
+  return x, ids, w
+
+
+def moe_program(comm, mesh=None, axis=AXIS):
+  """jit(shard_map(dispatch -> identity -> combine)) over `mesh` (default: comm's own)."""
+  def body(x, ids, w):
+    r = comm.dispatch(x, ids, w)
+    return comm.combine(r.x.astype(jnp.bfloat16), r.handle)
+  mesh = comm.mesh if mesh is None else mesh
+  return jax.jit(shard_map(body, mesh, in_specs=P(axis), out_specs=P(axis)))
+
+
+def dense(x, ids, w):
+  """The identity-expert MoE: out[t] = sum_k w[t, k] * x[t] in f32, rounded to bf16."""
+  x = np.asarray(x, np.float32)
+  return (x * np.asarray(w).sum(-1, keepdims=True)).astype(jnp.bfloat16)
+
+
+def test_a_handle_of_another_communicator_is_refused_while_tracing(backend, rng):
+  mesh = make_mesh(R)
+  a = jm.Communicator(config(), mesh, AXIS, backend=backend)
+  b = jm.Communicator(config(max_tokens=2 * T), mesh, AXIS, backend=backend)
+
+  def body(x, ids, w):
+    r = b.dispatch(x, ids, w)
+    y = jnp.zeros((a.capacity, H), jnp.bfloat16)
+    return a.combine(y, r.handle)
+
+  program = jax.jit(shard_map(body, mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+  with pytest.raises(ValueError, match=r"handle comes from Communicator #\d+"):
+    program(*inputs(rng, R * 2 * T))
+  # Nothing ran, so both still work.
+  args = inputs(rng)
+  np.testing.assert_array_equal(np.asarray(moe_program(a)(*args)), dense(*args))
+  a.check()
+  a.close()
+  b.close()
+
+
+def test_halves_must_come_in_order_from_the_same_communicator(backend, rng):
+  mesh = make_mesh(R)
+  comm = jm.Communicator(config(), mesh, AXIS, backend=backend)
+
+  def body(x, ids, w):
+    r = comm.dispatch(x, ids, w)
+    return comm.combine_recv(r.handle)  # a dispatch handle where a combine_send pending goes
+
+  program = jax.jit(shard_map(body, mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+  with pytest.raises(TypeError, match="result of dispatch, expected the result of combine_send"):
+    program(*inputs(rng))
+  comm.close()
+
+
+def test_a_call_outside_shard_map_is_refused_while_tracing(backend, rng):
+  comm = jm.Communicator(config(), make_mesh(R), AXIS, backend=backend)
+  x, ids, w = inputs(rng, T)
+  with pytest.raises(ValueError, match=r"inside jax.shard_map .*outside jax.shard_map"):
+    jax.jit(lambda x, ids, w: comm.dispatch(x, ids, w).x)(x, ids, w)
+  comm.close()
+
+
+@pytest.mark.parametrize("other", ("renamed axis", "2-D mesh", "subset"))
+def test_a_communicator_under_another_mesh_is_refused_while_tracing(backend, rng, other):
+  devices = jax.devices()[:R]
+  comm = jm.Communicator(config(), Mesh(np.array(devices), (AXIS,)), AXIS, backend=backend)
+  if other == "renamed axis":
+    mesh, axis = Mesh(np.array(devices), ("experts",)), "experts"
+  elif other == "2-D mesh":
+    mesh, axis = Mesh(np.array(devices).reshape(2, 2), ("dp", AXIS)), ("dp", AXIS)
+  else:
+    mesh, axis = Mesh(np.array(devices[:2]), (AXIS,)), AXIS
+  rows = R * T if other != "subset" else 2 * T
+  with pytest.raises(ValueError, match="call it inside jax.shard_map over the communicator's mesh"):
+    moe_program(comm, mesh, axis)(*inputs(rng, rows))
+  comm.close()
+
+
+def test_a_closed_communicator_refuses_new_programs_and_others_keep_working(backend, rng):
+  mesh = make_mesh(R)
+  a = jm.Communicator(config(), mesh, AXIS, backend=backend)
+  b = jm.Communicator(config(), mesh, AXIS, backend=backend)
+  a.close()
+  assert a.closed
+  with pytest.raises(ValueError, match="is closed"):
+    moe_program(a)(*inputs(rng))
+  args = inputs(rng)
+  np.testing.assert_array_equal(np.asarray(moe_program(b)(*args)), dense(*args))
+  b.check()
+  a.close()  # twice is fine
+  b.close()
+
+
+def test_communicators_dropped_without_close_free_their_native_state(backend, rng):
+  mesh = make_mesh(R)
+  freed = []
+  for _ in range(3):
+    comm = jm.Communicator(config(), mesh, AXIS, backend=backend)
+    finalizer = comm._finalizer
+    args = inputs(rng)
+    np.testing.assert_array_equal(np.asarray(moe_program(comm)(*args)), dense(*args))
+    del comm, args
+    gc.collect()
+    freed.append(not finalizer.alive)
+  # jit's caches may hold the last program (and through it the communicator) for a while.
+  assert sum(freed) >= 2, f"finalizers run: {freed}"
+
+
+@pytest.mark.skipif("host" not in jm.available_backends("cpu"),
+                    reason="needs the host backend (native module)")
+def test_a_failed_host_program_does_not_break_later_ones(rng):
+  """A host custom call that fails at run time fails its program; the failure must not
+  carry into the next programs (through the ordered-effect token every host call threads)."""
+  mesh = make_mesh(R)
+  a = jm.Communicator(config(), mesh, AXIS, backend="host")
+  b = jm.Communicator(config(max_tokens=2 * T), mesh, AXIS, backend="host")
+
+  def wrong(x, ids, w):
+    # Below the Communicator's checks: b's handle in a's native combine fails at run time.
+    r = b.dispatch(x, ids, w)
+    return a._backend.combine(jnp.zeros((a.capacity, H), jnp.bfloat16), r.handle.inner)
+
+  program = jax.jit(shard_map(wrong, mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+  with pytest.raises(Exception, match="jax_moe"):
+    jax.block_until_ready(program(*inputs(rng, R * 2 * T)))
+  for comm in (a, jm.Communicator(config(), mesh, AXIS, backend="host")):
+    args = inputs(rng)
+    np.testing.assert_array_equal(np.asarray(moe_program(comm)(*args)), dense(*args))
+    comm.check()
+    comm.close()
+  b.close()
+
+
+def test_errors_of_several_ranks_report_the_lowest_rank(backend, rng):
+  comm = jm.Communicator(config(), make_mesh(R), AXIS, backend=backend)
+  x, ids, w = inputs(rng)
+  bad = np.asarray(ids).copy().reshape(R, T, K)
+  bad[1, 0, 0] = E + 1  # ranks 1 and 3 send an invalid id
+  bad[3, 2, 1] = E + 3
+  for _ in range(3):
+    jax.block_until_ready(moe_program(comm)(x, jnp.asarray(bad.reshape(R * T, K)), w))
+    with pytest.raises(jm.CommError) as info:
+      comm.check()
+    assert (info.value.code, info.value.rank, info.value.detail) == (
+        jm.ErrorCode.INVALID_EXPERT_ID, 1, E + 1)
+  comm.close()
