@@ -10,6 +10,7 @@ computation and exits non-zero when they disagree.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -33,17 +34,55 @@ def _simulate_cpu_devices(count: int = 8) -> None:
 
 # ------------------------------------------------------------------------------------ info
 def _info(args) -> int:
+  code = _join(args, "info")
+  if code is not None:
+    return code
   import jax
   import jax_moe as jm
+  from jax_moe import distributed
 
+  if not distributed.is_primary():
+    return 0
   print(f"jax {jax.__version__}, default platform {jax.default_backend()}")
+  print(distributed.processes_summary())
   for device in jax.devices():
-    print(f"  {device.id}: {device.device_kind} ({device.platform})")
+    print(f"  {device.id}: {device.device_kind} ({device.platform}, process "
+          f"{device.process_index})")
+  mesh = distributed.global_mesh()
+  print(f"global mesh: {dict(mesh.shape)} over {mesh.devices.size} device(s) of "
+        f"{jax.process_count()} process(es)")
   print(f"backends available: {', '.join(jm.available_backends())}")
   print("build:")
   for key, value in jm.build_info().items():
     print(f"  {key}: {value}")
   return 0
+
+
+def _join(args, command: str):
+  """jax.distributed from --coordinator / --num-processes / --process-id, or from the
+  environment jax detects (SLURM, JAX_COORDINATOR_ADDRESS); None when ready, else an exit code."""
+  from jax_moe import distributed
+
+  try:
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                           init_timeout_s=args.init_timeout)
+  except Exception as e:  # noqa: BLE001 - jax raises RuntimeError / ValueError / XlaRuntimeError
+    print(f"jax-moe {command}: error: joining the job failed: {type(e).__name__}: {e}",
+          file=sys.stderr)
+    return 2
+  return None
+
+
+def _add_distributed_arguments(parser) -> None:
+  group = parser.add_argument_group(
+      "multi-process", "with none of these, jax.distributed starts only where it detects a job "
+      "(SLURM, Open MPI, JAX_COORDINATOR_ADDRESS); see docs/multi-node.md")
+  group.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                     help="address of process 0's coordinator (every process gives the same)")
+  group.add_argument("--num-processes", type=int, default=None, help="processes in the job")
+  group.add_argument("--process-id", type=int, default=None, help="this process, 0-based")
+  group.add_argument("--init-timeout", type=int, default=300,
+                     help="seconds to wait for every process to join")
 
 
 # ------------------------------------------------------------------------------------ demo
@@ -172,66 +211,191 @@ def _demo(args) -> int:
 
 
 # ------------------------------------------------------------------------------------ generate
-def _build_model(args):
-  """(model, description) of --model: an embedded tiny config or a checkpoint directory."""
-  import jax.numpy as jnp
-  from jax_moe import models
+def _say(*args, **kwargs) -> None:
+  """print on process 0 only (every process runs the same program)."""
+  from jax_moe import distributed
 
-  kwargs = dict(backend=args.backend, wire=args.wire,
-                dtype={"bf16": jnp.bfloat16, "f32": jnp.float32}[args.dtype])
-  if args.model in models.TINY_CONFIGS:
-    return (models.tiny(args.model, seed=args.seed, **kwargs),
-            f"{args.model} (embedded config, random weights, seed {args.seed})")
-  return models.from_pretrained(args.model, **kwargs), args.model
+  if distributed.is_primary():
+    print(*args, **kwargs, flush=True)
 
 
-def _time_generation(generator, ids, key):
-  """(prefill seconds, seconds per decode step) of an already compiled generator."""
+def _error(message: str) -> None:
   import jax
 
-  start = time.perf_counter()
-  token_b, cache = jax.block_until_ready(generator.prefill(generator.state, ids, key))
-  prefill_s = time.perf_counter() - start
-  steps = generator.max_new_tokens - 1
-  start = time.perf_counter()
-  for _ in range(steps):  # the tokens are not kept: one key serves every step
-    token_b, cache = generator.step(generator.state, token_b, cache, key)
-  jax.block_until_ready(token_b)
-  return prefill_s, (time.perf_counter() - start) / max(steps, 1)
+  where = f" (process {jax.process_index()})" if jax.process_count() > 1 else ""
+  print(f"jax-moe generate: error{where}: {message}", file=sys.stderr, flush=True)
+
+
+def _prompts(args, tok):
+  """(prompt id lists, whether they are text) from --prompt / --prompt-file / --prompt-ids;
+  None when none is given (random prompts)."""
+  texts = list(args.prompt or [])
+  for path in args.prompt_file or []:
+    with open(path) as f:
+      texts += [line.rstrip("\n") for line in f if line.strip()]
+  ids = []
+  for spec in args.prompt_ids or []:
+    try:
+      ids.append([int(t) for t in spec.replace(" ", "").split(",") if t])
+    except ValueError:
+      raise ValueError(f"--prompt-ids takes comma-separated integers, got {spec!r}") from None
+  if not texts and not ids:
+    return None, False
+  if texts and tok is None:
+    raise ValueError(f"{args.model}: no tokenizer.json, so text prompts cannot be tokenized "
+                     "(give --prompt-ids)")
+  return [tok.encode(t, chat=args.chat) for t in texts] + ids, bool(texts)
+
+
+def _prepare_inputs(args):
+  """Everything a process reads from its own disk, before any process allocates: the
+  checkpoint's config and tensor index, the tokenizer, the prompts. Returns a dict."""
+  from jax_moe import models
+  from jax_moe.models import loader, tokenizer
+
+  if args.model in models.TINY_CONFIGS:
+    config = models.TINY_CONFIGS[args.model]
+    reader, tok = None, tokenizer.embedded(config["vocab_size"])
+  else:
+    reader = loader.CheckpointReader(args.model)
+    config, tok = reader.config, tokenizer.from_checkpoint(args.model)
+  prompts, is_text = _prompts(args, tok)
+  return dict(config=config, reader=reader, tok=tok, prompts=prompts, is_text=is_text)
+
+
+def _build_model(args, reader, mesh):
+  """(model, description) of --model: an embedded tiny config or a checkpoint directory."""
+  import jax.numpy as jnp
+  from jax_moe import distributed, models
+  from jax_moe.models import loader
+
+  kwargs = dict(mesh=mesh, backend=args.backend, wire=args.wire,
+                dtype={"bf16": jnp.bfloat16, "f32": jnp.float32}[args.dtype])
+  if reader is None:
+    return (models.tiny(args.model, seed=args.seed, **kwargs),
+            f"{args.model} (embedded config, random weights, seed {args.seed})")
+  model = models._build(reader.config, kwargs.pop("mesh"), models.DEFAULT_AXIS,
+                        kwargs["backend"], kwargs["dtype"], kwargs["wire"])
+  return loader.load_weights(model, reader, progress=distributed.is_primary()), args.model
+
+
+class _Printer:
+  """Streams sequence 0's text as it is generated; the other sequences print when done."""
+
+  def __init__(self, tok, count: int, enabled: bool):
+    self.tok, self.enabled = tok, enabled and tok is not None
+    self.streams = [tok.stream() for _ in range(count)] if self.enabled else []
+    if self.enabled:
+      print("text 0: ", end="", flush=True)
+
+  def __call__(self, sequence: int, token: int) -> None:
+    if self.enabled and sequence == 0:
+      piece = self.streams[0].add(token)
+      if piece:
+        print(piece, end="", flush=True)
+
+  def finish(self, tokens) -> None:
+    if not self.enabled:
+      return
+    print(self.streams[0].flush(), flush=True)
+    for i, ids in enumerate(tokens[1:], 1):
+      print(f"text {i}: {self.tok.decode(ids)}", flush=True)
+
+
+def _comm_failure(e, mesh) -> str:
+  """A CommError, with the process that holds the peer rank it names."""
+  import jax_moe as jm
+
+  message = f"{type(e).__name__}: {e}"
+  if isinstance(e, jm.CommError) and e.code == jm.ErrorCode.TIMEOUT:
+    devices = list(mesh.devices.flat)
+    if 0 <= e.detail < len(devices):
+      message += (f"; rank {e.detail} (process {devices[e.detail].process_index}) did not "
+                  f"answer within JAX_MOE_TIMEOUT_S: that process died or is stuck")
+  return message
 
 
 def _generate(args) -> int:
+  code = _join(args, "generate")
+  if code is not None:
+    return code
   import jax
-  import jax.numpy as jnp
+  import numpy as np
+  import jax_moe as jm
   from flax import nnx
-  from jax_moe import models
+  from jax_moe import distributed, models
+  from jax_moe.models.generation import PromptGenerator
 
   start = time.perf_counter()
+  primary = distributed.is_primary()
+  # What each process reads from its own disk; every process hears of any failure, so none
+  # is left waiting for the others.
+  inputs, failure = None, ""
   try:
-    model, source = _build_model(args)
-    batch = args.batch or model.rules.axis_size
-    generator = models.Generator(model, batch, args.prompt_len, args.max_new_tokens,
-                                 args.temperature, args.top_p)
+    inputs = _prepare_inputs(args)
+  except (models.CheckpointError, NotImplementedError, ValueError, OSError) as e:
+    failure = str(e)
+  failures = distributed.agree(not failure, failure, "generate_inputs")
+  if failures:
+    for process, message in failures:
+      _error(message if jax.process_count() == 1 else f"process {process}: {message}")
+    return 2
+  tok, prompts = inputs["tok"], inputs["prompts"]
+  mesh = distributed.global_mesh()
+  random_prompts = prompts is None
+  if random_prompts:  # the benchmark: random ids, every sequence runs max_new_tokens
+    batch = args.batch or mesh.devices.size
+    rng = np.random.default_rng(args.seed)
+    prompts = rng.integers(0, inputs["config"]["vocab_size"], (batch, args.prompt_len)).tolist()
+  try:
+    model, source = _build_model(args, inputs["reader"], mesh)
+    generator = PromptGenerator(model, prompts, args.max_new_tokens, args.temperature,
+                                args.top_p)
   except (models.CheckpointError, NotImplementedError, ValueError) as e:
-    print(f"jax-moe generate: error: {e}", file=sys.stderr)
+    _error(str(e))
     return 2
   jax.block_until_ready(nnx.state(model, nnx.Param))
-  print(f"model: {source}, {type(model).__name__}, built in {time.perf_counter() - start:.1f} s")
-  print(f"layout: {model.layout()}")
-  key = jax.random.key(args.seed)
-  ids = jax.random.randint(key, (batch, args.prompt_len), 0, model.vocab_size, jnp.int32)
-  tokens = jax.block_until_ready(generator(ids, key))  # compiles prefill and the decode step
-  prefill_s, step_s = _time_generation(generator, ids, key)
-  model.pool.check()
+  _say(f"model: {source}, {type(model).__name__}, built in {time.perf_counter() - start:.1f} s")
+  if jax.process_count() > 1:
+    _say(f"processes: {distributed.processes_summary()}")
+  _say(f"layout: {model.layout()}")
+  eos = () if (args.ignore_eos or random_prompts or tok is None) else tok.eos_ids
+  printer = _Printer(tok, len(prompts), primary and not random_prompts)
+  try:
+    generator.warmup()  # compiles prefill and the decode step
+    done = generator.run(seed=args.seed, eos_ids=eos, on_token=printer)
+  except jm.CommError as e:
+    print(file=sys.stderr)
+    _error(_comm_failure(e, mesh))
+    distributed.exit_now(1)  # a dead peer: jax.distributed's shutdown would wait for it
+  printer.finish(done.tokens)
+  distributed.barrier("generate_done")  # no peer still writes into this process's buffers
+  model.pool.close()
+  n = len(prompts)
+  lengths = [len(p) for p in prompts]
   sampling = ("greedy" if args.temperature == 0 else
               f"temperature {args.temperature}, top-p {args.top_p}")
-  print(f"batch {batch}, prompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens "
-        f"({sampling})")
-  print(f"prefill: {prefill_s * 1e3:.2f} ms ({batch * args.prompt_len / prefill_s:.0f} tokens/s)")
-  if args.max_new_tokens > 1:
-    print(f"decode: {step_s * 1e3:.2f} ms per step, {batch / step_s:.1f} tokens/s "
-          f"(batch {batch})")
-  print(f"sequence 0: {tokens[0].tolist()}")
+  prompt_desc = (f"prompt {lengths[0]} tokens" if len(set(lengths)) == 1 else
+                 f"prompts {min(lengths)}-{max(lengths)} tokens")
+  _say(f"batch {n}, {prompt_desc}, up to {args.max_new_tokens} new tokens ({sampling})")
+  prefill_tokens = n * min(lengths)
+  _say(f"prefill: {done.prefill_s * 1e3:.2f} ms ({prefill_tokens / done.prefill_s:.0f} tokens/s)")
+  decode_tps = n * done.decode_steps / done.decode_s if done.decode_steps else 0.0
+  if done.decode_steps:
+    _say(f"decode: {done.decode_s / done.decode_steps * 1e3:.2f} ms per step, "
+         f"{decode_tps:.1f} tokens/s (batch {n})")
+  if not printer.enabled:
+    for i in range(n if not random_prompts else 1):
+      _say(f"sequence {i}: {prompts[i] + done.tokens[i]}")
+    if tok is not None and random_prompts:
+      _say(f"text 0: {tok.decode(done.tokens[0])!r}")
+  if args.json:
+    _say(json.dumps({
+        "tokens": done.tokens, "text": [tok.decode(t) for t in done.tokens] if tok else None,
+        "prompt_tokens": prompts, "stopped": done.stopped,
+        "prefill_ms": done.prefill_s * 1e3, "decode_tokens_per_s": decode_tps,
+        "backend": model.pool.backend_name, "mesh": dict(mesh.shape),
+        "devices": int(mesh.devices.size), "processes": jax.process_count()}))
   return 0
 
 
@@ -239,7 +403,9 @@ def _generate(args) -> int:
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jax-moe", description=__doc__.splitlines()[0])
   commands = parser.add_subparsers(dest="command", required=True)
-  commands.add_parser("info", help="jax version, devices, available backends, build info")
+  info = commands.add_parser("info", help="jax version, processes, devices, global mesh, "
+                                         "available backends, build info")
+  _add_distributed_arguments(info)
   demo = commands.add_parser(
       "demo", help="dispatch -> ragged_dot experts -> combine, checked against a dense f32 layer",
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -264,12 +430,32 @@ def _parser() -> argparse.ArgumentParser:
   generate.add_argument("--wire", choices=("bf16", "fp8", "exact"), default=None,
                         help="how MoE tokens travel (default: exact for f32, bf16 otherwise)")
   generate.add_argument("--batch", type=int, default=0,
-                        help="sequences (default: one per device)")
-  generate.add_argument("--prompt-len", type=int, default=16, help="random prompt tokens")
+                        help="random prompts: sequences (default: one per device)")
+  generate.add_argument("--prompt-len", type=int, default=16,
+                        help="random prompts: tokens each (when no prompt is given)")
+  prompts = generate.add_argument_group(
+      "prompts", "any number, of any lengths (one sequence each); without any, random ids "
+      "(--batch, --prompt-len) and every sequence runs --max-new-tokens (a benchmark)")
+  prompts.add_argument("--prompt", action="append", metavar="TEXT",
+                       help="a text prompt, tokenized with the checkpoint's tokenizer.json "
+                            "(the embedded models have their own); repeatable")
+  prompts.add_argument("--prompt-file", action="append", metavar="FILE",
+                       help="one text prompt per non-empty line; repeatable")
+  prompts.add_argument("--prompt-ids", action="append", metavar="1,2,3",
+                       help="a prompt of token ids; repeatable")
+  prompts.add_argument("--chat", action="store_true",
+                       help="wrap each text prompt in the chat template (tokenizer_config.json) "
+                            "as one user message")
   generate.add_argument("--max-new-tokens", type=int, default=16)
+  generate.add_argument("--ignore-eos", action="store_true",
+                        help="do not stop a sequence at an end-of-sequence id")
   generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
   generate.add_argument("--top-p", type=float, default=1.0)
   generate.add_argument("--seed", type=int, default=0, help="weights, prompt and sampling")
+  generate.add_argument("--json", action="store_true",
+                        help="end with one line of JSON: tokens, text, prefill_ms, "
+                             "decode_tokens_per_s, backend, mesh")
+  _add_distributed_arguments(generate)
   return parser
 
 

@@ -52,6 +52,13 @@ def dense(x, ids, w):
   return (x * np.asarray(w).sum(-1, keepdims=True)).astype(jnp.bfloat16)
 
 
+def assert_works(comm, rng):
+  """A fresh program of `comm` gives the dense result and records no error."""
+  args = inputs(rng)
+  np.testing.assert_array_equal(np.asarray(moe_program(comm)(*args)), dense(*args))
+  comm.check()
+
+
 def test_a_handle_of_another_communicator_is_refused_while_tracing(backend, rng):
   mesh = make_mesh(R)
   a = jm.Communicator(config(), mesh, AXIS, backend=backend)
@@ -65,10 +72,7 @@ def test_a_handle_of_another_communicator_is_refused_while_tracing(backend, rng)
   program = jax.jit(shard_map(body, mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
   with pytest.raises(ValueError, match=r"handle comes from Communicator #\d+"):
     program(*inputs(rng, R * 2 * T))
-  # Nothing ran, so both still work.
-  args = inputs(rng)
-  np.testing.assert_array_equal(np.asarray(moe_program(a)(*args)), dense(*args))
-  a.check()
+  assert_works(a, rng)  # nothing ran, so it still works
   a.close()
   b.close()
 
@@ -119,9 +123,7 @@ def test_a_closed_communicator_refuses_new_programs_and_others_keep_working(back
   assert a.closed
   with pytest.raises(ValueError, match="is closed"):
     moe_program(a)(*inputs(rng))
-  args = inputs(rng)
-  np.testing.assert_array_equal(np.asarray(moe_program(b)(*args)), dense(*args))
-  b.check()
+  assert_works(b, rng)
   a.close()  # twice is fine
   b.close()
 
@@ -132,9 +134,8 @@ def test_communicators_dropped_without_close_free_their_native_state(backend, rn
   for _ in range(3):
     comm = jm.Communicator(config(), mesh, AXIS, backend=backend)
     finalizer = comm._finalizer
-    args = inputs(rng)
-    np.testing.assert_array_equal(np.asarray(moe_program(comm)(*args)), dense(*args))
-    del comm, args
+    assert_works(comm, rng)
+    del comm
     gc.collect()
     freed.append(not finalizer.alive)
   # jit's caches may hold the last program (and through it the communicator) for a while.
@@ -159,9 +160,7 @@ def test_a_failed_host_program_does_not_break_later_ones(rng):
   with pytest.raises(Exception, match="jax_moe"):
     jax.block_until_ready(program(*inputs(rng, R * 2 * T)))
   for comm in (a, jm.Communicator(config(), mesh, AXIS, backend="host")):
-    args = inputs(rng)
-    np.testing.assert_array_equal(np.asarray(moe_program(comm)(*args)), dense(*args))
-    comm.check()
+    assert_works(comm, rng)
     comm.close()
   b.close()
 
