@@ -213,12 +213,12 @@ __device__ void send_quantized(const CommView& v, const uint4* row, const TokenD
         float f[8];
         bf16x8_to_f32(values[s][c], f);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) amax = active ? fmaxf(amax, fabsf(f[i])) : amax;
+        for (int i = 0; i < 8; ++i) amax = active ? max_keep_nan(amax, fabsf(f[i])) : amax;
       }
       for (int offset = lanes_per_block / 2; offset > 0; offset >>= 1)
-        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+        amax = max_keep_nan(amax, __shfl_xor_sync(kFullMask, amax, offset));
       if (!active) continue;
-      amax = fmaxf(amax, 1e-4f);
+      amax = max_keep_nan(amax, 1e-4f);
       const float scale = __fmul_rn(amax, kInv448);
       const float multiplier = __fdiv_rn(448.f, amax);
 #pragma unroll

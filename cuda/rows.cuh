@@ -42,9 +42,16 @@ __device__ inline void accumulate_scaled(float acc[8], float w, const float v[8]
 
 constexpr float kInv448 = 1.0f / 448.0f;  // the f32 nearest 1/448
 
-// One value of a block whose multiplier is 448 / amax: clip to +-448, e4m3fn, nearest even.
+// max(a, b) that keeps a NaN (fmaxf drops it): a block's amax is NaN when any value is, as in
+// the spec's formula (docs/semantics.md, non-finite values; ffi/host/numerics.h has the twin).
+__device__ inline float max_keep_nan(float a, float b) { return (a > b || isnan(a)) ? a : b; }
+
+// One value of a block whose multiplier is 448 / amax: clip to +-448, e4m3fn, nearest even;
+// a NaN product (a NaN in the block, or Inf * 0) gives the NaN code, as clip keeps NaN.
 __device__ inline uint32_t quantize_e4m3(float x, float multiplier) {
-  const float v = fminf(fmaxf(__fmul_rn(x, multiplier), -448.f), 448.f);
+  const float product = __fmul_rn(x, multiplier);
+  if (isnan(product)) return 0x7f;
+  const float v = fminf(fmaxf(product, -448.f), 448.f);
   return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
 }
 

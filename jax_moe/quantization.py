@@ -74,10 +74,19 @@ def quantize_fp8(x: jax.Array, block_size: int = 128) -> tuple[jax.Array, jax.Ar
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantize_fp8: x must be floating point, got {x.dtype}")
   xb = _blocks(x.astype(jnp.float32), block_size)
+  # NaN is tracked by hand: XLA may lower max/min to NaN-dropping instructions (XLA:CPU does
+  # inside larger fusions), while the spec's max and clip keep NaN (docs/semantics.md).
   amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), np.float32(AMAX_FLOOR))
+  amax = jnp.where(jnp.any(jnp.isnan(xb), axis=-1), jnp.float32(jnp.nan), amax)
   scales = amax * INV_FP8_MAX
-  scaled = xb * _fp8_max_over(amax)[..., None]
-  q = _round_to_e4m3(jnp.clip(scaled, -FP8_MAX, FP8_MAX)).astype(jnp.float8_e4m3fn)
+  # 448 / amax of a non-finite amax: 0 for +Inf, NaN for NaN (the long division wants normal
+  # f32; the floor keeps a finite amax normal).
+  multiplier = jnp.where(jnp.isfinite(amax), _fp8_max_over(amax),
+                         jnp.where(jnp.isnan(amax), jnp.float32(jnp.nan), jnp.float32(0)))
+  scaled = xb * multiplier[..., None]
+  rounded = _round_to_e4m3(jnp.clip(scaled, -FP8_MAX, FP8_MAX))
+  # Every NaN is the one NaN code 0x7f (a product's NaN may carry a sign bit: 0xff).
+  q = jnp.where(jnp.isnan(scaled), jnp.float32(jnp.nan), rounded).astype(jnp.float8_e4m3fn)
   return q.reshape(x.shape), scales
 
 

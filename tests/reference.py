@@ -31,10 +31,13 @@ def quantize_fp8(x, block_size):
     if hidden % block_size:
         raise ValueError(f"hidden {hidden} is not a multiple of block_size {block_size}")
     blocks = x32.reshape(*lead, hidden // block_size, block_size)
-    amax = np.maximum(np.abs(blocks).max(axis=-1), AMAX_FLOOR)
+    amax = np.maximum(np.abs(blocks).max(axis=-1), AMAX_FLOOR)  # keeps NaN
     scales = amax * INV_FP8_MAX
-    factor = FP8_MAX / amax
-    scaled = np.clip(blocks * factor[..., None], -FP8_MAX, FP8_MAX)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        factor = FP8_MAX / amax
+    with np.errstate(invalid="ignore", divide="ignore"):  # non-finite blocks: NaN codes
+        scaled = np.clip(blocks * factor[..., None], -FP8_MAX, FP8_MAX)
+    scaled = np.where(np.isnan(scaled), np.float32(np.nan), scaled)  # the one NaN code 0x7f
     q = scaled.astype(FP8)  # ml_dtypes rounds to nearest even
     assert scales.dtype == np.float32 and scaled.dtype == np.float32
     return q.reshape(*lead, hidden), scales

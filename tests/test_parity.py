@@ -3,6 +3,9 @@
 The combine tolerances are stated in checks.check_combine.
 """
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 import jax_moe as jm
@@ -47,6 +50,26 @@ def test_expert_reduce_combine(backend, axis_size, dispatch, partial_dtype, scen
     inputs, result, expected = run_case(setup, rng, scenario)
     assert_dispatch_matches(result.first, expected)
     check_combine(setup, inputs, result, expected)
+
+
+@pytest.mark.parametrize("axis_size", (1, 4))
+def test_non_finite_tokens_quantize_like_the_spec(backend, axis_size, rng):
+    """fp8 dispatch of tokens holding NaN and +-Inf: codes bit for bit, scales NaN/Inf as the
+    formula gives (docs/semantics.md), on every backend."""
+    setup = Setup(backend, axis_size, "fp8")
+    g = setup.geometry
+    inputs = make_inputs(setup, rng, routing(rng, g, "random"))
+    x = inputs.x.astype(np.float32)
+    x[0, 0, 5] = np.nan
+    x[0, 1, 130] = np.inf
+    x[-1, -1, -1] = -np.inf
+    x = x.astype(inputs.x.dtype)
+    rows, row_scales = ref.quantize_fp8(x, setup.block_size)
+    inputs = dataclasses.replace(inputs, x=x, rows=rows, row_scales=row_scales)
+    result = inputs.run(runner(setup))
+    expected = ref.dispatch_reference(g, inputs.routing, rows, row_scales)
+    assert_dispatch_matches(result.first, expected)
+    runner(setup).comm.check()
 
 
 def test_num_tokens_omitted_sends_every_token(backend, rng):

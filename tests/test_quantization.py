@@ -50,6 +50,47 @@ def test_quantize_spec_cases_hold(rng):
     assert not np.isnan(q.astype(np.float32)).any()
 
 
+def _non_finite_rows(rng):
+    """[4, 512] f32 rows with NaN and +-Inf in some 128-blocks (docs/semantics.md cases)."""
+    x = rng.standard_normal((4, 512)).astype(np.float32)
+    x[0, 3] = np.nan  # block (0, 0): NaN
+    x[1, 130] = np.inf  # block (1, 1): +Inf
+    x[1, 300] = -np.inf  # block (1, 2): -Inf
+    x[2, 0], x[2, 1] = np.inf, np.nan  # block (2, 0): NaN with Inf, NaN wins
+    return x
+
+
+NAN_BLOCKS, INF_BLOCKS = ((0, 0), (2, 0)), ((1, 1), (1, 2))
+
+
+def test_non_finite_blocks_follow_the_formula_in_the_reference(rng):
+    x = _non_finite_rows(rng)
+    q, scales = ref.quantize_fp8(x, 128)
+    codes = q.view(np.uint8).reshape(4, 4, 128)
+    for b in NAN_BLOCKS:
+        assert np.isnan(scales[b]) and (codes[b] == 0x7F).all()
+    for b in INF_BLOCKS:
+        row = x.reshape(4, 4, 128)[b]
+        assert scales[b] == np.inf
+        assert (codes[b][np.isinf(row)] == 0x7F).all()  # Inf * 0 is NaN
+        assert (np.abs(q.reshape(4, 4, 128)[b][np.isfinite(row)].astype(np.float32)) == 0).all()
+    deq = ref.dequantize_fp8(q, scales).reshape(4, 4, 128)
+    finite = np.ones((4, 4), bool)
+    for b in NAN_BLOCKS + INF_BLOCKS:
+        finite[b] = False
+        assert np.isnan(deq[b]).all()
+    assert np.isfinite(deq[finite]).all()
+
+
+@pytest.mark.parametrize("dtype", (np.float32, ml_dtypes.bfloat16))
+def test_quantize_non_finite_matches_spec(dtype, rng):
+    x = _non_finite_rows(rng).astype(dtype)
+    q, scales = _quantize_128(jnp.asarray(x))
+    want_q, want_scales = ref.quantize_fp8(x, 128)
+    assert_bitwise_equal(np.asarray(q), want_q, "q")
+    assert_bitwise_equal(np.asarray(scales), want_scales, "scales", nan_equal=True)
+
+
 def test_quantize_round_half_to_even_at_the_saturation_edge():
     """Values whose scaled f32 lands just above 448 round back to 448, never to NaN."""
     amax = np.float32(6.7062445)  # amax * (448 / amax) rounds to 448.00003 in f32

@@ -106,8 +106,9 @@ void quantize_row(const MoeDims& d, const uint16_t* row, char* slot) {
   for (int b = 0; b < d.hidden / d.block_size; ++b) {
     const uint16_t* block = row + size_t(b) * d.block_size;
     float amax = 0.f;
-    for (int i = 0; i < d.block_size; ++i) amax = std::fmax(amax, std::fabs(bf16_to_f32(block[i])));
-    amax = std::fmax(amax, 1e-4f);
+    for (int i = 0; i < d.block_size; ++i)
+      amax = max_keep_nan(amax, std::fabs(bf16_to_f32(block[i])));
+    amax = max_keep_nan(amax, 1e-4f);
     const float multiplier = 448.f / amax;
     for (int i = 0; i < d.block_size; ++i) {
       slot[size_t(b) * d.block_size + i] = char(quantize_e4m3(bf16_to_f32(block[i]), multiplier));

@@ -27,12 +27,17 @@ inline uint16_t f32_to_bf16(float f) {
 
 constexpr float kInv448 = 1.0f / 448.0f;  // the f32 nearest 1/448
 
+// max(a, b) that keeps a NaN (std::fmax drops it): a block's amax is NaN when any value is,
+// as in the spec's formula (docs/semantics.md, non-finite values).
+inline float max_keep_nan(float a, float b) { return (a > b || std::isnan(a)) ? a : b; }
+
 // e4m3fn code of x * multiplier clipped to [-448, 448], nearest even (as
-// __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3)). e4m3fn: bias 7, 3 mantissa bits,
+// __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3)); a NaN product gives the NaN code. e4m3fn: bias 7, 3 mantissa bits,
 // subnormals m * 2^-9, no infinities, 0x7f is NaN, 448 = 0x7e the largest finite.
 inline uint8_t quantize_e4m3(float x, float multiplier) {
-  const float v = std::fmin(std::fmax(x * multiplier, -448.f), 448.f);
-  if (std::isnan(v)) return 0x7f;
+  const float product = x * multiplier;
+  if (std::isnan(product)) return 0x7f;  // clip keeps a NaN (std::fmax would not)
+  const float v = std::fmin(std::fmax(product, -448.f), 448.f);
   const uint8_t sign = std::signbit(v) ? 0x80 : 0;
   const float a = std::fabs(v);
   if (a < 0x1p-6f) {
