@@ -37,19 +37,26 @@ def inputs(rng, rows=R * T):
   return x, ids, w
 
 
-def moe_program(comm, mesh=None, axis=AXIS):
-  """jit(shard_map(dispatch -> identity -> combine)) over `mesh` (default: comm's own)."""
+def moe_program(comm, mesh=None, axis=AXIS, scaled=False):
+  """jit(shard_map(dispatch -> expert -> combine)) over `mesh` (default: comm's own); the
+  expert is the identity, or with `scaled` row * (global expert + 1)."""
   def body(x, ids, w):
     r = comm.dispatch(x, ids, w)
-    return comm.combine(r.x.astype(jnp.bfloat16), r.handle)
+    y = r.x.astype(jnp.float32)
+    if scaled:
+      L = comm.num_local_experts
+      local = jnp.searchsorted(jnp.cumsum(r.group_sizes), jnp.arange(comm.capacity), side="right")
+      y = y * (jax.lax.axis_index(AXIS) * L + local + 1).astype(jnp.float32)[:, None]
+    return comm.combine(y.astype(jnp.bfloat16), r.handle)
   mesh = comm.mesh if mesh is None else mesh
   return jax.jit(shard_map(body, mesh, in_specs=P(axis), out_specs=P(axis)))
 
 
-def dense(x, ids, w):
-  """The identity-expert MoE: out[t] = sum_k w[t, k] * x[t] in f32, rounded to bf16."""
+def dense(x, ids, w, scaled=False):
+  """out[t] = sum_k w[t, k] * x[t] (* (ids[t, k] + 1) with `scaled`) in f32, bf16 at the end."""
   x = np.asarray(x, np.float32)
-  return (x * np.asarray(w).sum(-1, keepdims=True)).astype(jnp.bfloat16)
+  factor = np.asarray(w) * (np.asarray(ids) + 1 if scaled else 1)
+  return (x * factor.sum(-1, keepdims=True)).astype(jnp.bfloat16)
 
 
 def assert_works(comm, rng):
@@ -112,6 +119,23 @@ def test_a_communicator_under_another_mesh_is_refused_while_tracing(backend, rng
   rows = R * T if other != "subset" else 2 * T
   with pytest.raises(ValueError, match="call it inside jax.shard_map over the communicator's mesh"):
     moe_program(comm, mesh, axis)(*inputs(rng, rows))
+  comm.close()
+
+
+def test_the_same_devices_in_another_order_are_refused_or_followed(backend, rng):
+  """The xla backend follows axis_index (correct on any order); host refuses while lowering.
+  (cuda: not yet refused; docs/semantics.md.)"""
+  devices = jax.devices()[:R]
+  comm = jm.Communicator(config(), Mesh(np.array(devices), (AXIS,)), AXIS, backend=backend)
+  reversed_mesh = Mesh(np.array(devices[::-1]), (AXIS,))
+  args = inputs(rng)
+  if backend == "host":
+    with pytest.raises(ValueError, match="orders them"):
+      moe_program(comm, reversed_mesh)(*args)
+  elif backend == "xla":
+    got = np.asarray(moe_program(comm, reversed_mesh, scaled=True)(*args), np.float32)
+    want = dense(*args, scaled=True).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=2.0**-7, atol=0)
   comm.close()
 
 
