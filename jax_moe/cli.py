@@ -360,9 +360,9 @@ def _generate(args) -> int:
     _say(f"processes: {distributed.processes_summary()}")
   _say(f"layout: {model.layout()}")
   eos = () if (args.ignore_eos or random_prompts or tok is None) else tok.eos_ids
-  printer = _Printer(tok, len(prompts), primary and not random_prompts)
   try:
     generator.warmup()  # compiles prefill and the decode step
+    printer = _Printer(tok, len(prompts), primary and not random_prompts)
     done = generator.run(seed=args.seed, eos_ids=eos, on_token=printer)
   except jm.CommError as e:
     print(file=sys.stderr)
