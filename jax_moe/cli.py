@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 _CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
@@ -315,6 +316,29 @@ def _comm_failure(e, mesh) -> str:
   return message
 
 
+def _watch_comm_errors(pool, mesh, interval_s: float = 0.5):
+  """A thread that checks the communicators every `interval_s` while generation runs: a peer
+  that died mid-exchange leaves this process's exchange timing out (a recorded CommError) and
+  then possibly blocked in an XLA collective with the dead process for ever, so the error is
+  reported from here and the process ends (exit code 1). Returns the Event that stops it."""
+  import jax_moe as jm
+  from jax_moe import distributed
+
+  stop = threading.Event()
+
+  def watch():
+    while not stop.wait(interval_s):
+      try:
+        pool.check()
+      except jm.CommError as e:
+        print(file=sys.stderr)
+        _error(_comm_failure(e, mesh))
+        distributed.exit_now(1)
+
+  threading.Thread(target=watch, name="jax-moe-comm-watch", daemon=True).start()
+  return stop
+
+
 def _generate(args) -> int:
   code = _join(args, "generate")
   if code is not None:
@@ -363,7 +387,9 @@ def _generate(args) -> int:
   try:
     generator.warmup()  # compiles prefill and the decode step
     printer = _Printer(tok, len(prompts), primary and not random_prompts)
+    watching = _watch_comm_errors(model.pool, mesh)
     done = generator.run(seed=args.seed, eos_ids=eos, on_token=printer)
+    watching.set()
   except jm.CommError as e:
     print(file=sys.stderr)
     _error(_comm_failure(e, mesh))
