@@ -38,8 +38,10 @@ JAX_MOE_HD inline int route_blocks(const MoeDims& d, int chunks) {
 //   u64 route_flag[R][B]      source s stores its dispatch seq at [s][b] after route part b
 //   u64 rows_flag[R][chunks]  source s stores its dispatch seq at [s][c] after chunk c's rows
 //   u64 comb_flag[R][chunks]  expert rank d stores its combine seq at [d][c] after chunk c
-//   u64 part_flag[B]          this rank's own route blocks: part b stores the seq after its
-//   i32 part_counts[B][E]     per-expert slot counts there (later parts add the earlier ones)
+//   u64 part_flag[B]          used by this rank's own route blocks only: part b stores the
+//                             seq here once its counts are in part_counts
+//   i32 part_counts[B][E]     slots of route part b per global expert (later parts sum the
+//                             earlier parts' counts to rank their own slots)
 //   parity region [2], each:
 //     i32 num_tokens[R]        tokens sent by source s (clamped to [0, T])
 //     i32 counts[R][L]         rows of source s for local expert e
