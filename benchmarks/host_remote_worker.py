@@ -93,8 +93,7 @@ def _run(config: dict, process_id: int) -> list[dict]:
   from benchmarks.environment import AXIS, SHARDED
   from benchmarks.problem import Shape, make_inputs, traffic
   from benchmarks.timing import loop_program, summarize, wall_time
-  from jax_moe import transport
-  from jax_moe.backends import host_remote
+  from jax_moe import settings, transport
 
   peer = 1 - process_id
   meeting = Meeting()
@@ -148,8 +147,8 @@ def _run(config: dict, process_id: int) -> list[dict]:
     return record
 
   # The raw engine: rank = process index, one destination region sized for the largest phase.
-  engine = transport.TransferEngine(process_id, provider=host_remote.provider(),
-                                    node=host_remote.node() or None)
+  engine = transport.TransferEngine(process_id, provider=settings.host_provider(),
+                                    node=settings.host_node() or None)
   peer_card = meeting.exchange("card", engine.address, process_id, peer)
   engine.add_peer(peer_card)
 

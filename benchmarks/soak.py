@@ -99,7 +99,6 @@ def build(backend, mesh, args, dtype, reduce):
 def compare(a, b, R, x, w, ids):
   """First difference between two backends' outputs, or None."""
   import numpy as np
-  names = ("x", "scales", "weights", "group_sizes", "tokens_per_expert", "out")
   a = [np.asarray(v) for v in a]
   b = [np.asarray(v) for v in b]
   for name, i in (("group_sizes", 3), ("tokens_per_expert", 4), ("weights", 2)):

@@ -108,7 +108,8 @@ class AllReduce:
       self._check_nvls_allowed(mesh)
     self._ranks = None
     if native_ok and algorithm != "psum":
-      from jax_moe.backends.cuda_ranks import CudaRanks, timeout_s
+      from jax_moe.backends.cuda_ranks import CudaRanks
+      from jax_moe.settings import timeout_s
       wait_s = timeout_s()
 
       def create(comm_id, ordinal, rank):

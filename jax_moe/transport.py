@@ -23,8 +23,8 @@ from typing import NamedTuple
 import numpy as np
 
 from jax_moe import native
-from jax_moe.backends.cuda_ranks import MAX_TIMEOUT_S
-from jax_moe.backends.cuda_ranks import timeout_s as default_timeout_s
+from jax_moe.settings import MAX_TIMEOUT_S
+from jax_moe.settings import timeout_s as default_timeout_s
 
 
 def available() -> bool:

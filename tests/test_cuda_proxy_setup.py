@@ -7,6 +7,7 @@ import types
 import numpy as np
 import pytest
 
+from jax_moe import settings
 from jax_moe.backends import cuda_proxy
 
 
@@ -16,14 +17,14 @@ def test_force_remote_reads_the_environment(monkeypatch, value, expected):
         monkeypatch.delenv("JAX_MOE_FORCE_REMOTE", raising=False)
     else:
         monkeypatch.setenv("JAX_MOE_FORCE_REMOTE", value)
-    assert cuda_proxy.force_remote() is expected
+    assert settings.force_remote() is expected
 
 
 @pytest.mark.parametrize("bad", ["yes", "2", "", " 1"])
 def test_force_remote_refuses_other_values(monkeypatch, bad):
     monkeypatch.setenv("JAX_MOE_FORCE_REMOTE", bad)
     with pytest.raises(ValueError, match="JAX_MOE_FORCE_REMOTE must be 0 or 1"):
-        cuda_proxy.force_remote()
+        settings.force_remote()
 
 
 def fake_devices(processes):

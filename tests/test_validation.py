@@ -142,7 +142,7 @@ def test_bad_argument_is_refused_at_trace_time(backend, dtype, args, argument):
 
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "1e12", "ten"])
 def test_timeout_setting_must_be_a_finite_positive_bound(monkeypatch, text):
-    from jax_moe.backends.cuda_ranks import timeout_s
+    from jax_moe.settings import timeout_s
     monkeypatch.setenv("JAX_MOE_TIMEOUT_S", text)
     with pytest.raises(ValueError, match="JAX_MOE_TIMEOUT_S must be a number of seconds in"):
         timeout_s()

@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe import native
+from jax_moe import native, settings
 from jax_moe.backends import cuda_proxy
-from jax_moe.backends.cuda_ranks import CudaRanks, rank_groups, timeout_s
+from jax_moe.backends.cuda_ranks import CudaRanks, rank_groups
 from jax_moe.config import MoEConfig
 
 
@@ -64,7 +64,7 @@ class CudaBackend:
     self.R = mesh.shape[axis]
     self.L = cfg.num_local_experts(self.R)
     self.capacity = cfg.capacity(self.R)
-    self._timeout_s = timeout_s()
+    self._timeout_s = settings.timeout_s()
     self._chunks = cfg.num_sms or min(_sm_count(d) for d in mesh.devices.flat)
     self._ranks = self._make_ranks(mesh, axis)
     self.comm_id = self._ranks.comm_id

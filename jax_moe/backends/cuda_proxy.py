@@ -15,27 +15,16 @@ others (several GPUs per node across nodes) is not built yet.
 from __future__ import annotations
 
 import itertools
-import os
 import socket
 
 import jax
 
+from jax_moe import settings
 from jax_moe.backends import host_remote
 from jax_moe.backends.cuda_ranks import (KV_TIMEOUT_MS, RankStates, cuda_module,
                                          distributed_client)
 
-# Row-loop threads of each proxy's exchange (JAX_MOE_PROXY_THREADS): the exchange is CPU-bound
-# (zeroing, copying and summing rows) and a GPU host has cores to spare.
-PROXY_THREADS = 4
 _host_checks = itertools.count(1)  # the same sequence in every process, like comm ids
-
-
-def force_remote() -> bool:
-  """JAX_MOE_FORCE_REMOTE: "1" makes every peer of a cuda communicator remote (default "0")."""
-  text = os.environ.get("JAX_MOE_FORCE_REMOTE", "0")
-  if text not in ("0", "1"):
-    raise ValueError(f"JAX_MOE_FORCE_REMOTE must be 0 or 1, got {text!r}")
-  return text == "1"
 
 
 def spans_hosts(groups, owner: str) -> bool:
@@ -57,7 +46,7 @@ def spans_hosts(groups, owner: str) -> bool:
 
 def use_proxy(groups, owner: str) -> bool:
   """Whether a cuda communicator over `groups` exchanges through host proxies."""
-  return force_remote() or spans_hosts(groups, owner)
+  return settings.force_remote() or spans_hosts(groups, owner)
 
 
 class ProxyRanks(RankStates):
@@ -83,8 +72,7 @@ class ProxyRanks(RankStates):
 
     try:
       host_remote.connect_host_ranks(self, groups, lambda d: d.local_hardware_id, create, owner,
-                                     host_remote.threads_setting("JAX_MOE_PROXY_THREADS",
-                                                                 PROXY_THREADS))
+                                     settings.proxy_threads())
       for ordinal in self.ordinals:
         module.cuda_start_proxy(self.comm_id, ordinal)
     except BaseException:

@@ -11,7 +11,6 @@ the same order: the comm id that names a communicator's keys is a per-process co
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Callable
 
 import jax
@@ -23,23 +22,6 @@ _comm_ids = itertools.count(1)
 # How long a rank waits for its peers to publish their handles in the key-value store: process
 # start-up and device setup of the peers come first, so much longer than one exchange.
 KV_TIMEOUT_MS = 120_000
-# Kernels wait in nanoseconds held in 64 bits; a day keeps every conversion far from overflow.
-MAX_TIMEOUT_S = 86_400.0
-
-
-def timeout_s() -> float:
-  """Every wait's timeout in seconds: JAX_MOE_TIMEOUT_S, default 10."""
-  text = os.environ.get("JAX_MOE_TIMEOUT_S", "10")
-  try:
-    value = float(text)
-  except ValueError:
-    value = -1.0
-  if not 0 < value <= MAX_TIMEOUT_S:  # also refuses nan and inf
-    raise ValueError(f"JAX_MOE_TIMEOUT_S must be a number of seconds in (0, {MAX_TIMEOUT_S}], "
-                     f"got {text!r}")
-  return value
-
-
 def distributed_client(owner: str):
   """The jax.distributed key-value client; ranks in other processes exchange handles through it.
 

@@ -19,7 +19,7 @@ import functools
 
 import numpy as np
 
-from jax_moe import native
+from jax_moe import native, settings
 from jax_moe.backends import host_remote
 from jax_moe.backends.cuda import CudaBackend
 from jax_moe.backends.cuda_ranks import RankStates, rank_groups
@@ -59,7 +59,7 @@ class HostRanks(RankStates):
     super().__init__(module.host_take_error, module.host_destroy_rank)
     try:
       # One XLA thread per CPU device runs each rank already: one row-loop thread by default.
-      threads = host_remote.threads_setting("JAX_MOE_HOST_THREADS", 1)
+      threads = settings.host_threads()
       host_remote.connect_host_ranks(self, rank_groups(mesh, axis), lambda d: d.id, create,
                                      owner, threads)
     except BaseException:

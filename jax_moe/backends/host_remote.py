@@ -19,42 +19,17 @@ off) turns on the engines' test mode that applies completions late and in random
 
 from __future__ import annotations
 
-import os
 
 import jax
 
-from jax_moe import native
+from jax_moe import native, settings
 from jax_moe.backends.cuda_ranks import KV_TIMEOUT_MS, distributed_client
-DEFAULT_PROVIDER = "shm"
 
 
 def available() -> bool:
   """True when the native module can reach ranks in other processes (libfabric build)."""
   module = native.load()
   return module is not None and hasattr(module, "host_open_remote")
-
-
-def provider() -> str:
-  return os.environ.get("JAX_MOE_HOST_PROVIDER", DEFAULT_PROVIDER)
-
-
-def node() -> str:
-  return os.environ.get("JAX_MOE_HOST_NODE", "")
-
-
-def shuffle_seed() -> int:
-  text = os.environ.get("JAX_MOE_HOST_SHUFFLE_SEED", "0")
-  if not text.isdigit():
-    raise ValueError(f"JAX_MOE_HOST_SHUFFLE_SEED must be a non-negative integer, got {text!r}")
-  return int(text)
-
-
-def threads_setting(variable: str, default: int) -> int:
-  """Threads of each rank's row loops from environment variable `variable` (1 to 64)."""
-  text = os.environ.get(variable, str(default))
-  if not text.isdigit() or not 1 <= int(text) <= 64:
-    raise ValueError(f"{variable} must be a number of threads in [1, 64], got {text!r}")
-  return int(text)
 
 
 def connect_host_ranks(states, groups, ordinal_of, create, owner: str, threads: int) -> None:
@@ -100,8 +75,9 @@ def connect_remote(comm_id: int, group_index: int, local: list[int], owner: str)
   for p, ordinal in enumerate(local):
     if ordinal < 0:
       continue
-    card, descriptor = module.host_open_remote(comm_id, ordinal, remote, provider(), node(),
-                                               shuffle_seed())
+    card, descriptor = module.host_open_remote(comm_id, ordinal, remote,
+                                               settings.host_provider(), settings.host_node(),
+                                               settings.host_shuffle_seed())
     client.key_value_set(key("card", p), card.hex())
     client.key_value_set(key("buffer", p), descriptor.hex())
   for p in remote:

@@ -102,7 +102,7 @@ from checks import (_scaled_y, assert_bitwise_equal, assert_combine_within,  # n
                     assert_dispatch_matches, combine_bound)
 from moe_runner import (AXIS, DISPATCH_FIELDS, RunResult, Runner, Setup,  # noqa: E402
                         make_inputs)
-from jax_moe.backends import cuda_proxy  # noqa: E402
+from jax_moe import settings  # noqa: E402
 from jax_moe.sharding import shard_map  # noqa: E402
 
 
@@ -272,7 +272,7 @@ def run_job(args):
             f"({time.monotonic() - started:.1f} s)")
     barrier("finished")  # no peer still writes into this process's buffers
     runner.comm.close()
-    if setup.backend == "host" or (setup.backend == "cuda" and cuda_proxy.force_remote()):
+    if setup.backend == "host" or (setup.backend == "cuda" and settings.force_remote()):
         errors += close_leaves_no_threads(setup, mesh)
     return errors
 

@@ -1,0 +1,74 @@
+"""Every JAX_MOE_* environment variable, read in one place (README.md lists them).
+
+Each is read when it is needed (a Communicator, AllReduce or TransferEngine being built), so a
+test or program may set it just before; a bad value raises ValueError naming the variable and
+what it takes.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Kernels wait in nanoseconds held in 64 bits; a day keeps every conversion far from overflow.
+MAX_TIMEOUT_S = 86_400.0
+DEFAULT_HOST_PROVIDER = "shm"
+# Row-loop threads of each cuda host proxy's exchange: it is CPU-bound (zeroing, copying and
+# summing rows) and a GPU host has cores to spare.
+DEFAULT_PROXY_THREADS = 4
+
+
+def timeout_s() -> float:
+  """JAX_MOE_TIMEOUT_S: every wait's timeout in seconds, default 10."""
+  text = os.environ.get("JAX_MOE_TIMEOUT_S", "10")
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not 0 < value <= MAX_TIMEOUT_S:  # also refuses nan and inf
+    raise ValueError(f"JAX_MOE_TIMEOUT_S must be a number of seconds in (0, {MAX_TIMEOUT_S}], "
+                     f"got {text!r}")
+  return value
+
+
+def force_remote() -> bool:
+  """JAX_MOE_FORCE_REMOTE: "1" makes every peer of a cuda communicator remote (default "0")."""
+  text = os.environ.get("JAX_MOE_FORCE_REMOTE", "0")
+  if text not in ("0", "1"):
+    raise ValueError(f"JAX_MOE_FORCE_REMOTE must be 0 or 1, got {text!r}")
+  return text == "1"
+
+
+def host_provider() -> str:
+  """JAX_MOE_HOST_PROVIDER: the libfabric provider of the host backend across processes."""
+  return os.environ.get("JAX_MOE_HOST_PROVIDER", DEFAULT_HOST_PROVIDER)
+
+
+def host_node() -> str:
+  """JAX_MOE_HOST_NODE: the address the host backend's endpoints bind ('' lets libfabric pick)."""
+  return os.environ.get("JAX_MOE_HOST_NODE", "")
+
+
+def host_shuffle_seed() -> int:
+  """JAX_MOE_HOST_SHUFFLE_SEED: non-zero applies completions late and in random order (tests)."""
+  text = os.environ.get("JAX_MOE_HOST_SHUFFLE_SEED", "0")
+  if not text.isdigit():
+    raise ValueError(f"JAX_MOE_HOST_SHUFFLE_SEED must be a non-negative integer, got {text!r}")
+  return int(text)
+
+
+def _threads(variable: str, default: int) -> int:
+  text = os.environ.get(variable, str(default))
+  if not text.isdigit() or not 1 <= int(text) <= 64:
+    raise ValueError(f"{variable} must be a number of threads in [1, 64], got {text!r}")
+  return int(text)
+
+
+def host_threads() -> int:
+  """JAX_MOE_HOST_THREADS: row-loop threads of each host-backend rank (default 1: XLA runs
+  each CPU device's program on its own thread already)."""
+  return _threads("JAX_MOE_HOST_THREADS", 1)
+
+
+def proxy_threads() -> int:
+  """JAX_MOE_PROXY_THREADS: row-loop threads of each cuda host proxy (default 4)."""
+  return _threads("JAX_MOE_PROXY_THREADS", DEFAULT_PROXY_THREADS)
