@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe import mesh_guard
 from jax_moe.config import MoEConfig
 from jax_moe.errors import CommError
 
@@ -192,6 +193,14 @@ class Communicator:
                       f"expected the result of {kind}")
     return value.inner
 
+  def _guarded(self, x):
+    """`x` unchanged; for the native backends, which fix each device's rank when they are
+    built, the program is refused while lowering if its mesh orders the devices otherwise
+    (the xla backend follows axis_index and is right on any order)."""
+    if self.backend_name == "xla":
+      return x
+    return mesh_guard.guard(x, self.mesh, self._owner.description)
+
   def _tag(self, kind: str, inner) -> Handle:
     return Handle(self._owner, kind, inner)
 
@@ -232,8 +241,8 @@ class Communicator:
     """Sends every routed (token, slot) row to the rank of its expert; see Dispatched."""
     self.check()
     self._check_context("dispatch")
-    args = self._check_dispatch_args("dispatch", x, topk_ids, topk_weights, num_tokens)
-    return self._tagged(self._backend.dispatch(*args))
+    x, ids, w, n = self._check_dispatch_args("dispatch", x, topk_ids, topk_weights, num_tokens)
+    return self._tagged(self._backend.dispatch(x, self._guarded(ids), w, n))
 
   def combine(self, y, handle) -> jax.Array:
     """out[t] = sum over routed k of w[t, k] * y[row(t, k)], accumulated in f32."""
@@ -241,13 +250,14 @@ class Communicator:
     self._check_context("combine")
     inner = self._unwrap("combine", "handle", handle, "dispatch")
     self._check_y("combine", y)
-    return self._backend.combine(y, inner)
+    return self._backend.combine(self._guarded(y), inner)
 
   def dispatch_send(self, x, topk_ids, topk_weights, num_tokens=None):
     self.check()
     self._check_context("dispatch_send")
-    args = self._check_dispatch_args("dispatch_send", x, topk_ids, topk_weights, num_tokens)
-    return self._tag("dispatch_send", self._backend.dispatch_send(*args))
+    x, ids, w, n = self._check_dispatch_args("dispatch_send", x, topk_ids, topk_weights,
+                                             num_tokens)
+    return self._tag("dispatch_send", self._backend.dispatch_send(x, self._guarded(ids), w, n))
 
   def dispatch_recv(self, pending) -> Dispatched:
     self._check_context("dispatch_recv")
@@ -259,7 +269,7 @@ class Communicator:
     self._check_context("combine_send")
     inner = self._unwrap("combine_send", "handle", handle, "dispatch")
     self._check_y("combine_send", y)
-    return self._tag("combine_send", self._backend.combine_send(y, inner))
+    return self._tag("combine_send", self._backend.combine_send(self._guarded(y), inner))
 
   def combine_recv(self, pending) -> jax.Array:
     self._check_context("combine_recv")

@@ -71,7 +71,6 @@ class HostBackend(CudaBackend):
   name = "host"
 
   def _make_ranks(self, mesh, axis: str):
-    self._mesh = (tuple(mesh.axis_names), tuple(int(d.id) for d in mesh.devices.flat))
     ranks = HostRanks(mesh, axis, self._create_rank)  # checks that _ordered_ffi() exists
     _ordered_ffi().drop_failed_token()
     return ranks
@@ -85,5 +84,5 @@ class HostBackend(CudaBackend):
 
   def _call(self, target: str, result_types, *args):
     _ordered_ffi().drop_failed_token()
-    return _ordered_ffi().ordered_ffi_call(target, result_types, *args, mesh=self._mesh,
+    return _ordered_ffi().ordered_ffi_call(target, result_types, *args,
                                            comm_id=np.int64(self.comm_id))

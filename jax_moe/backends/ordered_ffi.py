@@ -41,33 +41,16 @@ _ordered_ffi_call_p.multiple_results = True
 _ordered_ffi_call_p.def_impl(functools.partial(dispatch.apply_primitive, _ordered_ffi_call_p))
 
 
-def _abstract_eval(*avals, target, result_avals, attrs, mesh):
-  del avals, target, attrs, mesh
+def _abstract_eval(*avals, target, result_avals, attrs):
+  del avals, target, attrs
   return result_avals, {_EFFECT}
 
 
 _ordered_ffi_call_p.def_effectful_abstract_eval(_abstract_eval)
 
 
-def _check_mesh(ctx, target: str, mesh) -> None:
-  """Refuses, while lowering, a program whose mesh has the communicator's axes but its devices
-  in another order (tracing sees only axis names and sizes; the lowering sees the devices)."""
-  if mesh is None:
-    return
-  names, device_ids = mesh
-  program_mesh = getattr(ctx.module_context.axis_context, "mesh", None)
-  if program_mesh is None or not hasattr(program_mesh, "devices"):
-    return
-  have = tuple(int(d.id) for d in program_mesh.devices.flat)
-  if tuple(program_mesh.axis_names) == names and have != device_ids:
-    raise ValueError(f"{target}: the communicator was built on devices {list(device_ids)} "
-                     f"(mesh axes {names}), but this program's mesh orders them {list(have)}; "
-                     f"build a Communicator on the mesh the program uses")
-
-
-def _lowering(ctx, *args, target, result_avals, attrs, mesh):
+def _lowering(ctx, *args, target, result_avals, attrs):
   del result_avals
-  _check_mesh(ctx, target, mesh)
   token = ctx.tokens_in.get(_EFFECT)
   with_token = dataclasses.replace(ctx, avals_in=[core.abstract_token, *ctx.avals_in],
                                    avals_out=[core.abstract_token, *ctx.avals_out])
@@ -81,16 +64,14 @@ def _lowering(ctx, *args, target, result_avals, attrs, mesh):
 mlir.register_lowering(_ordered_ffi_call_p, _lowering, platform="cpu")
 
 
-def ordered_ffi_call(target: str, result_types, *args, mesh=None, **attrs):
+def ordered_ffi_call(target: str, result_types, *args, **attrs):
   """Like `jax.ffi.ffi_call(target, result_types, has_side_effect=True)(*args, **attrs)`,
-  run in program order with every other ordered call (CPU only). `mesh`, (axis names, device
-  ids in mesh order) of the communicator, makes lowering refuse a program whose mesh puts the
-  same axes on the devices in another order."""
+  run in program order with every other ordered call (CPU only)."""
   single = not isinstance(result_types, (tuple, list))
   types = (result_types,) if single else tuple(result_types)
   result_avals = tuple(core.ShapedArray(t.shape, t.dtype) for t in types)
   results = _ordered_ffi_call_p.bind(*args, target=target, result_avals=result_avals,
-                                     attrs=tuple(sorted(attrs.items())), mesh=mesh)
+                                     attrs=tuple(sorted(attrs.items())))
   return results[0] if single else tuple(results)
 
 
