@@ -2,7 +2,8 @@
 (see DESIGN.md)."""
 
 from jax_moe.all_reduce import AllReduce
-from jax_moe.communicator import Communicator, Dispatched, available_backends
+from jax_moe.communicator import Communicator, available_backends
+from jax_moe.types import Dispatched
 from jax_moe.config import MoEConfig
 from jax_moe.errors import CommError, ErrorCode, Stage
 from jax_moe.native import build_info

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import weakref
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,50 +12,12 @@ import numpy as np
 from jax_moe import mesh_guard
 from jax_moe.config import MoEConfig
 from jax_moe.errors import CommError
+from jax_moe.types import Dispatched, Handle, Owner
 
 BACKENDS = ("xla", "cuda", "host")
 
 
 _serials = itertools.count(1)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Owner:
-  """Which communicator made a handle: static data of the handle's pytree."""
-  serial: int
-  description: str
-
-
-@jax.tree_util.register_pytree_node_class
-class Handle:
-  """A backend's handle (or pending half) tagged with the communicator that made it.
-
-  The tag is static pytree data, so a handle used with another communicator is refused while
-  tracing, before anything runs.
-  """
-
-  def __init__(self, owner: _Owner, kind: str, inner):
-    self.owner, self.kind, self.inner = owner, kind, inner
-
-  def tree_flatten(self):
-    return (self.inner,), (self.owner, self.kind)
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    return cls(aux[0], aux[1], children[0])
-
-  def __repr__(self):
-    return f"Handle({self.kind} of {self.owner.description})"
-
-
-class Dispatched(NamedTuple):
-  """Rows received by one rank, in the deterministic layout of docs/semantics.md."""
-  x: jax.Array                  # [capacity, hidden] dispatch dtype
-  scales: jax.Array | None      # [capacity, hidden // block_size] f32 (fp8 dispatch) or None
-  weights: jax.Array            # [capacity] f32 router weight of each row, 0 on padding
-  group_sizes: jax.Array        # [L] int32 rows per local expert incl. padding (ragged_dot)
-  tokens_per_expert: jax.Array  # [L] int32 real rows per local expert
-  handle: Any                   # Handle that combine needs; valid for one combine
 
 
 def _platform(mesh) -> str:
@@ -132,7 +92,7 @@ class Communicator:
       from jax_moe.backends.xla import XlaBackend
       self._backend = XlaBackend(cfg, mesh, axis)
     serial = next(_serials)
-    self._owner = _Owner(serial, f"Communicator #{serial} ({self.backend_name}, axis {axis!r} "
+    self._owner = Owner(serial, f"Communicator #{serial} ({self.backend_name}, axis {axis!r} "
                                  f"of mesh {dict(mesh.shape)})")
     self._closed = False
     # Native state is freed when the communicator is collected without close() too.

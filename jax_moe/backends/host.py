@@ -1,9 +1,10 @@
 """The `host` backend: dispatch/combine as XLA FFI custom calls on CPU devices.
 
-The same FFI targets, arguments, buffer layout and protocol as the `cuda` backend
-(ffi/host/ runs cuda/dispatch.cu's and cuda/combine.cu's steps as plain C++ loops), so
-everything above the FFI call is the cuda backend's, except that every call is ordered
-(backends/ordered_ffi.py). XLA runs each CPU device's program on its own thread; ranks of one
+The same FFI targets and arguments as the `cuda` backend, so everything above the FFI call
+is backends/native_backend.py's, except that every call is ordered (backends/ordered_ffi.py).
+Its protocol and buffer layout (cuda/layout.cuh's BufferLayout: sequence flags with
+acknowledgements) are also what the cuda backend's host proxies run; the NVLink kernels have
+their own (cuda/nvlink_layout.cuh). XLA runs each CPU device's program on its own thread; ranks of one
 process share memory and write straight into each other's buffers, signalling with sequence
 flags; every wait has a timeout (JAX_MOE_TIMEOUT_S, default 10 s).
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from jax_moe import native, settings
 from jax_moe.backends import host_remote
-from jax_moe.backends.cuda import CudaBackend
+from jax_moe.backends.native_backend import NativeBackend
 from jax_moe.backends.cuda_ranks import RankStates, rank_groups
 
 
@@ -67,7 +68,7 @@ class HostRanks(RankStates):
       raise
 
 
-class HostBackend(CudaBackend):
+class HostBackend(NativeBackend):
   name = "host"
 
   def _make_ranks(self, mesh, axis: str):

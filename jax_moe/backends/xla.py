@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe.config import MoEConfig
+from jax_moe.types import Dispatched
 from jax_moe.errors import ErrorCode, Stage
 from jax_moe.quantization import quantize_fp8
 
@@ -188,7 +189,6 @@ class XlaBackend:
         dest=dest.astype(jnp.int32), pos=pos, slot_weights=slot_weights)
 
   def dispatch_recv(self, p: XlaDispatchPending):
-    from jax_moe.communicator import Dispatched
     cfg, R, L, C, cap = self.cfg, self.R, self.L, self.wire_rows, self.capacity
     T, K = cfg.max_tokens, cfg.experts_per_token
 
