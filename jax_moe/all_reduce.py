@@ -131,7 +131,7 @@ class AllReduce:
 
   def _setup_nvls(self, mesh, axis: str) -> None:
     """One multicast object per group (ffi/cuda/multicast.cc; gated again there). Not yet run."""
-    from jax_moe.backends.cuda_ranks import rank_groups
+    from jax_moe.sharding import rank_groups
     try:
       for group in rank_groups(mesh, axis):
         native.load().cuda_setup_nvls(self._ranks.comm_id, [d.local_hardware_id for d in group])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 
@@ -12,6 +13,7 @@ import numpy as np
 from jax_moe import mesh_guard
 from jax_moe.config import MoEConfig
 from jax_moe.errors import CommError
+from jax_moe.sharding import axis_names, axis_size
 from jax_moe.types import Dispatched, Handle, Owner
 
 BACKENDS = ("xla", "cuda", "host")
@@ -62,35 +64,56 @@ def _expect(name: str, value, shape: tuple, dtype) -> None:
 
 
 class Communicator:
-  """Expert-parallel dispatch/combine over one mesh axis.
+  """Expert-parallel dispatch/combine over one mesh axis, or several (a tuple: ranks run
+  row-major over them, experts are sharded over all of them).
 
   Build it outside jit (it allocates and connects); call its methods inside
-  `jax.shard_map` over `axis`. See DESIGN.md for the API and docs/semantics.md for the
-  exact layout.
+  `jax.shard_map` over the mesh. See DESIGN.md for the API and docs/semantics.md for the
+  exact layout. With `replicated_over`, one of the axes along which the tokens are replicated
+  (a data-parallel group: attention tensor-parallel over that axis), each rank of a group
+  sends only its share of the group's `max_tokens` tokens and combine gives every rank of the
+  group all of the group's outputs (docs/semantics.md, DP groups).
   """
 
-  def __init__(self, cfg: MoEConfig, mesh: jax.sharding.Mesh, axis: str = "ep",
-               backend: str = "auto"):
+  def __init__(self, cfg: MoEConfig, mesh: jax.sharding.Mesh, axis="ep",
+               backend: str = "auto", replicated_over: str | None = None):
     if not isinstance(cfg, MoEConfig):
       raise TypeError(f"Communicator: cfg must be a jax_moe.MoEConfig, got {type(cfg).__name__}")
-    if axis not in mesh.shape:
-      raise ValueError(f"Communicator: axis {axis!r} is not a mesh axis {tuple(mesh.shape)}")
+    names = axis_names(axis)
+    missing = [n for n in names if n not in mesh.shape]
+    if not names or missing or len(set(names)) != len(names):
+      raise ValueError(f"Communicator: axis {axis!r} must name distinct mesh axes of "
+                       f"{tuple(mesh.shape)}")
     self.cfg = cfg
     self.mesh = mesh
     self.axis = axis
-    self.axis_size = mesh.shape[axis]
+    self.axis_size = axis_size(mesh, axis)
+    self.replicated_over = replicated_over
+    self.group_size = 1
+    # What the exchange itself moves: each rank's share of its group's tokens.
+    self.exchange_cfg = cfg
+    if replicated_over is not None:
+      if replicated_over not in names:
+        raise ValueError(f"Communicator: replicated_over ({replicated_over!r}) must be one of "
+                         f"the communicator's axes {names}")
+      self.group_size = mesh.shape[replicated_over]
+      if cfg.max_tokens % self.group_size:
+        raise ValueError(f"Communicator: MoEConfig.max_tokens ({cfg.max_tokens}) must be a "
+                         f"multiple of the size of replicated_over axis {replicated_over!r} "
+                         f"({self.group_size}): each rank of a group sends an equal share")
+      self.exchange_cfg = dataclasses.replace(cfg, max_tokens=cfg.max_tokens // self.group_size)
     self.num_local_experts = cfg.num_local_experts(self.axis_size)
-    self.capacity = cfg.capacity(self.axis_size)
+    self.capacity = self.exchange_cfg.capacity(self.axis_size)
     self.backend_name = _resolve_backend(backend, _platform(mesh))
     if self.backend_name == "cuda":
       from jax_moe.backends.cuda import CudaBackend
-      self._backend = CudaBackend(cfg, mesh, axis)
+      self._backend = CudaBackend(self.exchange_cfg, mesh, axis)
     elif self.backend_name == "host":
       from jax_moe.backends.host import HostBackend
-      self._backend = HostBackend(cfg, mesh, axis)
+      self._backend = HostBackend(self.exchange_cfg, mesh, axis)
     else:
       from jax_moe.backends.xla import XlaBackend
-      self._backend = XlaBackend(cfg, mesh, axis)
+      self._backend = XlaBackend(self.exchange_cfg, mesh, axis)
     serial = next(_serials)
     self._owner = Owner(serial, f"Communicator #{serial} ({self.backend_name}, axis {axis!r} "
                                  f"of mesh {dict(mesh.shape)})")
@@ -131,7 +154,7 @@ class Communicator:
     context = jax.sharding.get_abstract_mesh()
     have = dict(context.shape) if context is not None and not context.empty else {}
     manual = set(getattr(context, "manual_axes", have)) if have else set()
-    if have != want or self.axis not in manual:
+    if have != want or not set(axis_names(self.axis)) <= manual:
       where = (f"a context with mesh axes {have}" if have else
                "no shard_map (outside jax.shard_map)")
       raise ValueError(
@@ -160,6 +183,26 @@ class Communicator:
     if self.backend_name == "xla":
       return x
     return mesh_guard.guard(x, self.mesh, self._owner.description)
+
+  def _share(self, x, topk_ids, topk_weights, num_tokens):
+    """This rank's share of its group's tokens (DP groups): rows [j * Ts, (j + 1) * Ts) for
+    rank j of the replicated axis, Ts = max_tokens / group size. A bad group num_tokens goes
+    through as it is, so the exchange records BAD_NUM_TOKENS with the value given."""
+    if self.group_size == 1:
+      return x, topk_ids, topk_weights, num_tokens
+    share = self.exchange_cfg.max_tokens
+    start = jax.lax.axis_index(self.replicated_over) * share
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, start, share, axis=0)  # noqa: E731
+    x = tuple(take(a) for a in x) if isinstance(x, tuple) else take(x)
+    valid = (num_tokens >= 0) & (num_tokens <= self.cfg.max_tokens)
+    num_tokens = jnp.where(valid, jnp.clip(num_tokens - start, 0, share), num_tokens)
+    return x, take(topk_ids), take(topk_weights), num_tokens.astype(jnp.int32)
+
+  def _gathered(self, out):
+    """Every output of the group on every rank of it (DP groups); `out` as is otherwise."""
+    if self.group_size == 1:
+      return out
+    return jax.lax.all_gather(out, self.replicated_over, axis=0, tiled=True)
 
   def _tag(self, kind: str, inner) -> Handle:
     return Handle(self._owner, kind, inner)
@@ -201,7 +244,8 @@ class Communicator:
     """Sends every routed (token, slot) row to the rank of its expert; see Dispatched."""
     self.check()
     self._check_context("dispatch")
-    x, ids, w, n = self._check_dispatch_args("dispatch", x, topk_ids, topk_weights, num_tokens)
+    x, ids, w, n = self._share(*self._check_dispatch_args("dispatch", x, topk_ids,
+                                                          topk_weights, num_tokens))
     return self._tagged(self._backend.dispatch(x, self._guarded(ids), w, n))
 
   def combine(self, y, handle) -> jax.Array:
@@ -210,13 +254,13 @@ class Communicator:
     self._check_context("combine")
     inner = self._unwrap("combine", "handle", handle, "dispatch")
     self._check_y("combine", y)
-    return self._backend.combine(self._guarded(y), inner)
+    return self._gathered(self._backend.combine(self._guarded(y), inner))
 
   def dispatch_send(self, x, topk_ids, topk_weights, num_tokens=None):
     self.check()
     self._check_context("dispatch_send")
-    x, ids, w, n = self._check_dispatch_args("dispatch_send", x, topk_ids, topk_weights,
-                                             num_tokens)
+    x, ids, w, n = self._share(*self._check_dispatch_args("dispatch_send", x, topk_ids,
+                                                          topk_weights, num_tokens))
     return self._tag("dispatch_send", self._backend.dispatch_send(x, self._guarded(ids), w, n))
 
   def dispatch_recv(self, pending) -> Dispatched:
@@ -233,5 +277,5 @@ class Communicator:
 
   def combine_recv(self, pending) -> jax.Array:
     self._check_context("combine_recv")
-    return self._backend.combine_recv(
-        self._unwrap("combine_recv", "pending", pending, "combine_send"))
+    return self._gathered(self._backend.combine_recv(
+        self._unwrap("combine_recv", "pending", pending, "combine_send")))

@@ -19,9 +19,10 @@ import numpy as np
 
 from jax_moe import native
 from jax_moe.backends import cuda_proxy
-from jax_moe.backends.cuda_ranks import CudaRanks, rank_groups
+from jax_moe.backends.cuda_ranks import CudaRanks
 from jax_moe.backends.native_backend import NativeBackend
 from jax_moe.config import MoEConfig
+from jax_moe.sharding import rank_groups
 
 
 # SMs of an H100/H200, for a device whose description does not say (every rank must agree on

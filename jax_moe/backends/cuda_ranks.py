@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jax_moe import native
+from jax_moe.sharding import rank_groups
 
 _comm_ids = itertools.count(1)
 # How long a rank waits for its peers to publish their handles in the key-value store: process
@@ -36,12 +37,6 @@ def distributed_client(owner: str):
   if client is None:
     raise ValueError(f"{owner}: ranks span processes; call jax.distributed.initialize() first")
   return client
-
-
-def rank_groups(mesh, axis: str) -> np.ndarray:
-  """[groups, R] devices: each row is one group along `axis`, in rank order."""
-  devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), -1)
-  return devices.reshape(-1, devices.shape[-1])
 
 
 def cuda_module(owner: str):

@@ -17,6 +17,7 @@ import numpy as np
 
 from jax_moe import settings
 from jax_moe.config import MoEConfig
+from jax_moe.sharding import axis_size
 from jax_moe.types import Dispatched
 
 
@@ -48,7 +49,7 @@ class NativeBackend:
 
   def __init__(self, cfg: MoEConfig, mesh, axis: str):
     self.cfg = cfg
-    self.R = mesh.shape[axis]
+    self.R = axis_size(mesh, axis)
     self.L = cfg.num_local_experts(self.R)
     self.capacity = cfg.capacity(self.R)
     self._timeout_s = settings.timeout_s()

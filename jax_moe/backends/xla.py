@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe.config import MoEConfig
+from jax_moe.sharding import axis_size
 from jax_moe.types import Dispatched
 from jax_moe.errors import ErrorCode, Stage
 from jax_moe.quantization import quantize_fp8
@@ -94,7 +95,7 @@ class XlaBackend:
   def __init__(self, cfg: MoEConfig, mesh, axis: str):
     self.cfg = cfg
     self.axis = axis
-    self.R = mesh.shape[axis]
+    self.R = axis_size(mesh, axis)
     self.L = cfg.num_local_experts(self.R)
     self.capacity = cfg.capacity(self.R)
     self.wire_rows = cfg.max_tokens * min(cfg.experts_per_token, self.L)

@@ -1,0 +1,144 @@
+"""Communicators over two mesh axes: experts sharded over both (ranks row-major), and DP groups
+(`replicated_over`: tokens replicated over one axis, each rank sending its share, every rank
+of a group getting all of the group's outputs), against a dense MoE on every backend.
+
+The expert is row * (global expert + 1), so a row that reaches the wrong expert, is lost or
+is counted twice shows up; sums are compared within bf16 rounding.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_moe as jm
+from jax_moe.sharding import shard_map
+
+H, E, K = 128, 16, 4
+
+
+def mesh_2d(dp, tp):
+  devices = jax.devices()
+  if len(devices) < dp * tp:
+    pytest.skip(f"needs {dp * tp} devices")
+  return Mesh(np.array(devices[:dp * tp]).reshape(dp, tp), ("dp", "tp"))
+
+
+def routing(rng, tokens, case):
+  ids = np.stack([rng.permutation(E)[:K] for _ in range(tokens)]).astype(np.int32)
+  if case == "skewed":
+    ids[:, 0] = 3
+  elif case == "unused_slots":
+    ids[rng.random(ids.shape) < 0.3] = -1
+  w = rng.random(ids.shape).astype(np.float32)
+  return ids, w
+
+
+def dense(x, ids, w, live):
+  """out[t] = sum over valid slots of w * (id + 1) * x[t] for live tokens, f32."""
+  factor = (w * (ids + 1) * (ids >= 0)).sum(-1, keepdims=True) * live[:, None]
+  return np.asarray(x, np.float32) * factor
+
+
+def program(comm, in_axes, out_axes, split=False):
+  """dispatch -> row * (global expert + 1) -> combine, per shard."""
+  L = comm.num_local_experts
+
+  def body(x, ids, w, n):
+    r = (comm.dispatch_recv(comm.dispatch_send(x, ids, w, n.reshape(()))) if split
+         else comm.dispatch(x, ids, w, n.reshape(())))
+    local = jnp.searchsorted(jnp.cumsum(r.group_sizes), jnp.arange(comm.capacity), side="right")
+    rank = jax.lax.axis_index(comm.axis)
+    rows = (r.x.astype(jnp.float32) if r.scales is None
+            else jm.dequantize_fp8(r.x, r.scales, jnp.float32))
+    y = rows * (rank * L + local + 1).astype(jnp.float32)[:, None]
+    y = y.astype(jnp.bfloat16)
+    return (comm.combine_recv(comm.combine_send(y, r.handle)) if split
+            else comm.combine(y, r.handle))
+
+  specs = (P(in_axes),) * 4
+  return jax.jit(shard_map(body, comm.mesh, in_specs=specs, out_specs=P(out_axes)))
+
+
+def assert_close(got, want, what):
+  got = np.asarray(got, np.float32)
+  bound = 2.0**-7 * np.abs(want) + 1e-6
+  bad = ~(np.abs(got - want) <= bound)
+  assert not bad.any(), f"{what}: {int(bad.sum())} elements off, first at {np.argwhere(bad)[0]}"
+
+
+@pytest.mark.parametrize("case", ("random", "skewed", "unused_slots"))
+@pytest.mark.parametrize("dp,tp", ((4, 2), (2, 4)))
+def test_experts_over_two_axes_match_a_one_axis_moe(backend, rng, dp, tp, case):
+  mesh = mesh_2d(dp, tp)
+  T = 8
+  cfg = jm.MoEConfig(E, K, H, T, dispatch_dtype=jnp.bfloat16)
+  comm = jm.Communicator(cfg, mesh, ("dp", "tp"), backend=backend)
+  R = dp * tp
+  x = rng.standard_normal((R * T, H)).astype(jnp.bfloat16)
+  ids, w = routing(rng, R * T, case)
+  n = rng.integers(T // 2, T + 1, R).astype(np.int32)
+  live = (np.arange(T)[None, :] < n[:, None]).reshape(-1)
+  out = program(comm, ("dp", "tp"), ("dp", "tp"))(x, ids, w, n)
+  comm.check()
+  assert_close(out, dense(x, ids, w, live), f"EP over (dp, tp) = ({dp}, {tp})")
+  comm.close()
+
+
+@pytest.mark.parametrize("split", (False, True))
+@pytest.mark.parametrize("dispatch", ("bf16", "fp8"))
+@pytest.mark.parametrize("dp,tp", ((4, 2), (2, 4), (1, 8)))
+def test_dp_groups_send_shares_and_every_rank_gets_the_group_outputs(backend, rng, dp, tp,
+                                                                     dispatch, split):
+  mesh = mesh_2d(dp, tp)
+  T = 16  # tokens of one group, replicated over tp
+  cfg = jm.MoEConfig(E, K, H, T, dispatch_dtype=jnp.float8_e4m3fn if dispatch == "fp8"
+                     else jnp.bfloat16)
+  comm = jm.Communicator(cfg, mesh, ("dp", "tp"), backend=backend, replicated_over="tp")
+  assert comm.exchange_cfg.max_tokens == T // tp
+  x = rng.standard_normal((dp * T, H)).astype(jnp.bfloat16)
+  ids, w = routing(rng, dp * T, "unused_slots")
+  n = rng.integers(1, T + 1, dp).astype(np.int32)  # a group's count may end inside any share
+  live = (np.arange(T)[None, :] < n[:, None]).reshape(-1)
+  x_seen = x
+  if dispatch == "fp8":
+    x_seen = np.asarray(jm.dequantize_fp8(*jm.quantize_fp8(jnp.asarray(x)), jnp.float32))
+  # Inputs sharded over dp only (replicated over tp); outputs from every (dp, tp) rank.
+  out = program(comm, "dp", ("dp", "tp"), split)(x, ids, w, n)
+  comm.check()
+  want = dense(x_seen, ids, w, live).reshape(dp, 1, T, H)
+  got = np.asarray(out, np.float32).reshape(dp, tp, T, H)
+  for j in range(tp):
+    assert_close(got[:, j], want[:, 0], f"DP groups ({dp}, {tp}), tp rank {j}")
+  comm.close()
+
+
+def test_a_bad_group_num_tokens_is_recorded_with_its_value(backend, rng):
+  mesh = mesh_2d(4, 2)
+  T = 8
+  comm = jm.Communicator(jm.MoEConfig(E, K, H, T, dispatch_dtype=jnp.bfloat16), mesh,
+                         ("dp", "tp"), backend=backend, replicated_over="tp")
+  x = rng.standard_normal((4 * T, H)).astype(jnp.bfloat16)
+  ids, w = routing(rng, 4 * T, "random")
+  n = np.array([T, T + 3, T, T], np.int32)
+  jax.block_until_ready(program(comm, "dp", ("dp", "tp"))(x, ids, w, n))
+  with pytest.raises(jm.CommError) as info:
+    comm.check()
+  assert (info.value.code, info.value.detail) == (jm.ErrorCode.BAD_NUM_TOKENS, T + 3)
+  assert info.value.rank in (2, 3)  # the ranks of dp group 1
+  comm.close()
+
+
+def test_bad_two_axis_setups_are_refused():
+  mesh = mesh_2d(4, 2)
+  cfg = jm.MoEConfig(E, K, H, 8, dispatch_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="must name distinct mesh axes"):
+    jm.Communicator(cfg, mesh, ("dp", "dp"), backend="xla")
+  with pytest.raises(ValueError, match="must name distinct mesh axes"):
+    jm.Communicator(cfg, mesh, ("dp", "ep"), backend="xla")
+  with pytest.raises(ValueError, match="replicated_over .* must be one of"):
+    jm.Communicator(cfg, mesh, "dp", backend="xla", replicated_over="tp")
+  with pytest.raises(ValueError, match="must be a multiple of the size of replicated_over"):
+    jm.Communicator(jm.MoEConfig(E, K, H, 7, dispatch_dtype=jnp.bfloat16), mesh, ("dp", "tp"),
+                    backend="xla", replicated_over="tp")
