@@ -66,7 +66,8 @@ def _join(args, command: str):
 
   try:
     distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                           init_timeout_s=args.init_timeout)
+                           init_timeout_s=args.init_timeout,
+                           heartbeat_timeout_s=args.heartbeat_timeout)
   except Exception as e:  # noqa: BLE001 - jax raises RuntimeError / ValueError / XlaRuntimeError
     print(f"jax-moe {command}: error: joining the job failed: {type(e).__name__}: {e}",
           file=sys.stderr)
@@ -84,6 +85,9 @@ def _add_distributed_arguments(parser) -> None:
   group.add_argument("--process-id", type=int, default=None, help="this process, 0-based")
   group.add_argument("--init-timeout", type=int, default=300,
                      help="seconds to wait for every process to join")
+  group.add_argument("--heartbeat-timeout", type=int, default=100,
+                     help="seconds without a heartbeat after which jax.distributed ends every "
+                          "process of the job (a process that died)")
 
 
 # ------------------------------------------------------------------------------------ demo
@@ -316,26 +320,53 @@ def _comm_failure(e, mesh) -> str:
   return message
 
 
-def _watch_comm_errors(pool, mesh, interval_s: float = 0.5):
-  """A thread that checks the communicators every `interval_s` while generation runs: a peer
-  that died mid-exchange leaves this process's exchange timing out (a recorded CommError) and
-  then possibly blocked in an XLA collective with the dead process for ever, so the error is
-  reported from here and the process ends (exit code 1). Returns the Event that stops it."""
+def _watch_peers(pool, mesh, interval_s: float = 0.5):
+  """A thread that, while generation runs, checks the communicators and (across processes)
+  the other processes' heartbeats every `interval_s`.
+
+  A peer that dies mid-step leaves this process either in an exchange that times out (a
+  recorded CommError) or blocked in an XLA collective with it (gloo on CPU: no timeout); the
+  main thread may never return, so the error is reported from here and the process ends with
+  exit code 1: the recorded CommError, or the processes whose heartbeat stopped for
+  JAX_MOE_TIMEOUT_S. Returns the Event that stops it.
+  """
+  import jax
   import jax_moe as jm
-  from jax_moe import distributed
+  from jax_moe import distributed, settings
 
   stop = threading.Event()
+  liveness = distributed.Liveness() if jax.process_count() > 1 else None
+  after_s = settings.timeout_s()
+
+  def fail(message):
+    print(file=sys.stderr)
+    _error(message)
+    distributed.exit_now(1)
 
   def watch():
     while not stop.wait(interval_s):
       try:
         pool.check()
+        if liveness is not None:
+          liveness.beat()
+          dead = liveness.stale(after_s)
+          if dead:
+            time.sleep(interval_s)  # a CommError recorded meanwhile says more
+            pool.check()
+            ranks = {p: [r for r, d in enumerate(mesh.devices.flat) if d.process_index == p]
+                     for p in dead}
+            fail("; ".join(f"process {p} (ranks {ranks[p]}) stopped answering: no heartbeat "
+                           f"for {after_s:g} s (JAX_MOE_TIMEOUT_S); it died or is frozen"
+                           for p in dead))
       except jm.CommError as e:
-        print(file=sys.stderr)
-        _error(_comm_failure(e, mesh))
-        distributed.exit_now(1)
+        fail(_comm_failure(e, mesh))
+      except Exception as e:  # noqa: BLE001 - the coordinator itself gone
+        if not stop.is_set():
+          fail(f"lost the job's coordinator: {type(e).__name__}: {e}")
 
-  threading.Thread(target=watch, name="jax-moe-comm-watch", daemon=True).start()
+  if liveness is not None:
+    liveness.beat()
+  threading.Thread(target=watch, name="jax-moe-peer-watch", daemon=True).start()
   return stop
 
 
@@ -387,7 +418,7 @@ def _generate(args) -> int:
   try:
     generator.warmup()  # compiles prefill and the decode step
     printer = _Printer(tok, len(prompts), primary and not random_prompts)
-    watching = _watch_comm_errors(model.pool, mesh)
+    watching = _watch_peers(model.pool, mesh)
     done = generator.run(seed=args.seed, eos_ids=eos, on_token=printer)
     watching.set()
   except jm.CommError as e:

@@ -139,3 +139,45 @@ def exit_now(code: int) -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(code)
+
+
+class Liveness:
+  """Heartbeats of the job's processes through the key-value store, from a thread.
+
+  `beat()` publishes this process's counter; `stale(after_s)` lists the processes whose
+  counter has not moved for `after_s` seconds. A process blocked in a device computation
+  keeps beating (the thread runs while it waits); one that died stops. jax.distributed has
+  its own heartbeat, but only ends the job after --heartbeat-timeout (100 s by default) and
+  without saying where the job stood.
+  """
+
+  def __init__(self, name: str = "generate"):
+    import jax
+
+    self.client, self.name = _client(), name
+    self.me, self.count = jax.process_index(), jax.process_count()
+    self._beats = 0
+    self._seen = {}  # process -> (last value, time it changed)
+
+  def beat(self) -> None:
+    self._beats += 1
+    self.client.key_value_set(f"jax_moe/alive/{self.name}/{self.me}", str(self._beats),
+                              allow_overwrite=True)
+
+  def stale(self, after_s: float) -> list[int]:
+    import time
+
+    now, dead = time.monotonic(), []
+    for p in range(self.count):
+      if p == self.me:
+        continue
+      try:
+        value = self.client.key_value_try_get(f"jax_moe/alive/{self.name}/{p}")
+      except Exception:  # noqa: BLE001 - not published yet
+        value = None
+      last, since = self._seen.get(p, (None, now))
+      if value != last:
+        self._seen[p] = (value, now)
+      elif now - since > after_s:
+        dead.append(p)
+    return dead

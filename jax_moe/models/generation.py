@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 
 import jax
@@ -141,13 +142,59 @@ class Completion:
   stopped: list[bool]    # the sequence ended with an end-of-sequence id
 
 
-def _replicated(x, mesh):
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+_runs = itertools.count()  # the same sequence in every process: they run the same program
 
 
-def _host_value(array) -> np.ndarray:
-  """A fully replicated array's value, in every process (each holds a copy)."""
-  return np.asarray(array.addressable_data(0))
+class _TokenReader:
+  """Each step's tokens [B] on the host, in every process, without a device collective.
+
+  Alone (or with the tokens replicated) the array is read directly. Across processes each
+  process publishes the rows it holds in jax.distributed's key-value store and reads the
+  others' (a few hundred bytes a step), so a dead process makes its peers wait at most
+  `timeout_s` here, never in an XLA collective with no timeout.
+  """
+
+  def __init__(self, batch: int):
+    self.batch = batch
+    self.run = next(_runs)
+    self.multi = jax.process_count() > 1
+    if self.multi:
+      from jax_moe import settings
+      from jax_moe.backends.cuda_ranks import distributed_client
+
+      self.client = distributed_client("generate")
+      self.timeout_ms = int(max(60.0, 3 * settings.timeout_s()) * 1000)
+
+  def _key(self, step: int, process: int) -> str:
+    return f"jax_moe/generate/{self.run}/{step}/{process}"
+
+  def __call__(self, array, step: int) -> np.ndarray:
+    if not self.multi or array.is_fully_replicated or array.is_fully_addressable:
+      data = array.addressable_data(0) if array.is_fully_replicated else array
+      return np.asarray(data)
+    out = np.full(self.batch, -1, np.int64)
+    mine = {}
+    for shard in array.addressable_shards:
+      start = shard.index[0].start or 0
+      mine[start] = np.asarray(shard.data)
+    me = jax.process_index()
+    self.client.key_value_set(self._key(step, me), ";".join(
+        f"{start}:{','.join(map(str, rows.tolist()))}" for start, rows in sorted(mine.items())))
+    for process in range(jax.process_count()):
+      key = self._key(step, process)
+      try:
+        text = self.client.blocking_key_value_get(key, self.timeout_ms)
+      except Exception as e:  # noqa: BLE001 - jax raises its own status errors
+        raise RuntimeError(f"generate: process {process} did not publish its tokens of step "
+                           f"{step} within {self.timeout_ms / 1000:.0f} s (died or stuck?): "
+                           f"{e}") from e
+      for part in text.split(";"):
+        start, values = part.split(":")
+        rows = np.array([int(v) for v in values.split(",")], np.int64)
+        out[int(start):int(start) + len(rows)] = rows
+    if step >= 2:  # every process has read step - 1, so step - 2 is no longer needed
+      self.client.key_value_delete(self._key(step - 2, me))
+    return out
 
 
 def _global(host: np.ndarray, sharding):
@@ -167,9 +214,9 @@ class PromptGenerator:
   replicated; padding sequences are dropped from the results.
 
   Works unchanged across `jax.distributed` processes: inputs are global arrays built in every
-  process from the same host values, and each step's tokens come back replicated, so every
-  process sees every token and takes the same stop decisions (every process must call `run`
-  with the same arguments).
+  process from the same host values, and each step's tokens reach every process (through the
+  key-value store, `_TokenReader`), so every process sees every token and takes the same stop
+  decisions (every process must call `run` with the same arguments).
   """
 
   def __init__(self, model, prompts, max_new_tokens: int, temperature: float = 0.0,
@@ -217,7 +264,7 @@ class PromptGenerator:
       cache = model.init_cache(batch_, total_len)
       logits_bsv, cache = model(ids_bs, cache=cache)
       token_b = pick(logits_bsv[:, -1], jax.random.fold_in(jax.random.key(seed), cache.index))
-      return token_b, _replicated(token_b, mesh), cache
+      return token_b, cache
 
     def step(state, token_b, cache, ids_bs, lengths_b, seed):
       position = cache.index  # of the token fed now
@@ -226,9 +273,10 @@ class PromptGenerator:
       token_b = jnp.where(position < lengths_b, prompt_b, token_b)
       logits_bsv, cache = nnx.merge(graphdef, state)(token_b[:, None], cache=cache)
       token_b = pick(logits_bsv[:, -1], jax.random.fold_in(jax.random.key(seed), cache.index))
-      return token_b, _replicated(token_b, mesh), cache
+      return token_b, cache
 
     platform = mesh.devices.flat[0].platform
+    self._read = _TokenReader(self.batch)
     self._prefill = jax.jit(prefill)
     self._step = jax.jit(step, donate_argnames=() if platform == "cpu" else ("cache",))
     self._seed_sharding = NamedSharding(mesh, P())
@@ -239,9 +287,9 @@ class PromptGenerator:
   def warmup(self) -> None:
     """Compiles (and runs once) the prefill and the decode step, so `run` times no compile."""
     seed = self._seed(0)
-    token_b, replicated, cache = self._prefill(self.state, self._prefill_ids, seed)
-    out = self._step(self.state, token_b, cache, self._ids, self._lengths, seed)
-    jax.block_until_ready(out[1])
+    token_b, cache = self._prefill(self.state, self._prefill_ids, seed)
+    token_b, _ = self._step(self.state, token_b, cache, self._ids, self._lengths, seed)
+    self._read(token_b, 0)
     self.model.pool.check()
 
   def run(self, seed: int = 0, eos_ids=(), on_token=None, ignore_eos: bool = False,
@@ -258,8 +306,9 @@ class PromptGenerator:
     generated = [[] for _ in range(n)]
     stopped = [False] * n
     started = time.perf_counter()
-    token_b, replicated, cache = self._prefill(self.state, self._prefill_ids, seed_array)
-    position = self.shortest  # of the token `replicated` holds
+    self._read = _TokenReader(self.batch)
+    token_b, cache = self._prefill(self.state, self._prefill_ids, seed_array)
+    position = self.shortest  # of the token `token_b` holds
     # One step in flight: the next is launched before this one's tokens are read.
     steps = self.total_len - self.shortest - 1
     prefill_s = None
@@ -268,7 +317,7 @@ class PromptGenerator:
       pending = None
       if k < steps and not all(stopped):
         pending = self._step(self.state, token_b, cache, self._ids, self._lengths, seed_array)
-      tokens = _host_value(replicated)
+      tokens = self._read(token_b, k)
       if prefill_s is None:
         prefill_s = time.perf_counter() - started
         decode_start = time.perf_counter()
@@ -286,10 +335,10 @@ class PromptGenerator:
       finished = all(s or len(g) >= self.max_new_tokens for s, g in zip(stopped, generated))
       if pending is None or finished:
         if pending is not None:
-          jax.block_until_ready(pending[1])
+          jax.block_until_ready(pending[0])
           decode_steps += 1
         break
-      token_b, replicated, cache = pending
+      token_b, cache = pending
       decode_steps += 1
       position += 1
     decode_s = time.perf_counter() - decode_start
