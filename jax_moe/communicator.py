@@ -72,11 +72,14 @@ class Communicator:
   exact layout. With `replicated_over`, one of the axes along which the tokens are replicated
   (a data-parallel group: attention tensor-parallel over that axis), each rank of a group
   sends only its share of the group's `max_tokens` tokens and combine gives every rank of the
-  group all of the group's outputs (docs/semantics.md, DP groups).
+  group all of the group's outputs (docs/semantics.md, DP groups). With `replicated_over`
+  naming every axis of the communicator, every rank holds every token: dispatch selects the
+  local experts' slots without communication and combine sums the ranks' partials, so every
+  rank gets every output (the replicated-input mode; combine_reduce "expert"; JAX only).
   """
 
   def __init__(self, cfg: MoEConfig, mesh: jax.sharding.Mesh, axis="ep",
-               backend: str = "auto", replicated_over: str | None = None):
+               backend: str = "auto", replicated_over=None):
     if not isinstance(cfg, MoEConfig):
       raise TypeError(f"Communicator: cfg must be a jax_moe.MoEConfig, got {type(cfg).__name__}")
     names = axis_names(axis)
@@ -90,9 +93,16 @@ class Communicator:
     self.axis_size = axis_size(mesh, axis)
     self.replicated_over = replicated_over
     self.group_size = 1
+    # Tokens replicated over every axis of the group: no exchange at dispatch (replicated.py).
+    self.replicated_input = (replicated_over is not None and
+                             set(axis_names(replicated_over)) == set(names))
+    if self.replicated_input and cfg.combine_reduce != "expert":
+      raise ValueError("Communicator: with the tokens replicated over the whole group "
+                       f"(replicated_over={replicated_over!r}) combine sums each rank's "
+                       "partials: MoEConfig.combine_reduce must be 'expert'")
     # What the exchange itself moves: each rank's share of its group's tokens.
     self.exchange_cfg = cfg
-    if replicated_over is not None:
+    if replicated_over is not None and not self.replicated_input:
       if replicated_over not in names:
         raise ValueError(f"Communicator: replicated_over ({replicated_over!r}) must be one of "
                          f"the communicator's axes {names}")
@@ -103,9 +113,11 @@ class Communicator:
                          f"({self.group_size}): each rank of a group sends an equal share")
       self.exchange_cfg = dataclasses.replace(cfg, max_tokens=cfg.max_tokens // self.group_size)
     self.num_local_experts = cfg.num_local_experts(self.axis_size)
-    self.capacity = self.exchange_cfg.capacity(self.axis_size)
     self.backend_name = _resolve_backend(backend, _platform(mesh))
-    if self.backend_name == "cuda":
+    if self.replicated_input:  # JAX only, whatever the backend: nothing crosses at dispatch
+      from jax_moe.backends.replicated import ReplicatedBackend
+      self._backend = ReplicatedBackend(cfg, mesh, axis)
+    elif self.backend_name == "cuda":
       from jax_moe.backends.cuda import CudaBackend
       self._backend = CudaBackend(self.exchange_cfg, mesh, axis)
     elif self.backend_name == "host":
@@ -114,6 +126,7 @@ class Communicator:
     else:
       from jax_moe.backends.xla import XlaBackend
       self._backend = XlaBackend(self.exchange_cfg, mesh, axis)
+    self.capacity = self._backend.capacity
     serial = next(_serials)
     self._owner = Owner(serial, f"Communicator #{serial} ({self.backend_name}, axis {axis!r} "
                                  f"of mesh {dict(mesh.shape)})")
@@ -180,7 +193,7 @@ class Communicator:
     """`x` unchanged; for the native backends, which fix each device's rank when they are
     built, the program is refused while lowering if its mesh orders the devices otherwise
     (the xla backend follows axis_index and is right on any order)."""
-    if self.backend_name == "xla":
+    if self._backend.name in ("xla", "replicated"):
       return x
     return mesh_guard.guard(x, self.mesh, self._owner.description)
 

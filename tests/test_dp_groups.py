@@ -142,3 +142,56 @@ def test_bad_two_axis_setups_are_refused():
   with pytest.raises(ValueError, match="must be a multiple of the size of replicated_over"):
     jm.Communicator(jm.MoEConfig(E, K, H, 7, dispatch_dtype=jnp.bfloat16), mesh, ("dp", "tp"),
                     backend="xla", replicated_over="tp")
+
+
+@pytest.mark.parametrize("partial", ("float32", "bfloat16"))
+@pytest.mark.parametrize("dispatch", ("bf16", "fp8"))
+@pytest.mark.parametrize("axes", ("ep", ("dp", "tp")))
+def test_replicated_input_selects_locally_and_every_rank_gets_every_output(backend, rng, axes,
+                                                                           dispatch, partial):
+  if axes == "ep":
+    devices = jax.devices()[:8]
+    mesh = Mesh(np.array(devices), ("ep",))
+  else:
+    mesh = mesh_2d(4, 2)
+  T = 12
+  cfg = jm.MoEConfig(E, K, H, T, dispatch_dtype=jnp.float8_e4m3fn if dispatch == "fp8"
+                     else jnp.bfloat16, combine_reduce="expert", partial_dtype=jnp.dtype(partial))
+  comm = jm.Communicator(cfg, mesh, axes, backend=backend, replicated_over=axes)
+  assert comm.capacity == T * min(K, E // 8)  # one source: this rank's own slots
+  x = rng.standard_normal((T, H)).astype(jnp.bfloat16)
+  ids, w = routing(rng, T, "unused_slots")
+  n = np.array([T - 3], np.int32)
+  live = np.arange(T) < n[0]
+  x_seen = x
+  if dispatch == "fp8":
+    x_seen = np.asarray(jm.dequantize_fp8(*jm.quantize_fp8(jnp.asarray(x)), jnp.float32))
+  # Inputs replicated on every rank (spec P()), outputs from every rank.
+  out = program(comm, None, axes)(x, ids, w, n)
+  comm.check()
+  want = dense(x_seen, ids, w, live)
+  got = np.asarray(out, np.float32).reshape(8, T, H)
+  tolerance = 2.0**-7 * (1 + (partial == "bfloat16"))
+  for r in range(8):
+    bad = ~(np.abs(got[r] - want) <= tolerance * np.abs(want) + 1e-6)
+    assert not bad.any(), f"rank {r}: {int(bad.sum())} elements off"
+  np.testing.assert_array_equal(got, np.broadcast_to(got[0], got.shape))  # one sum, all ranks
+  comm.close()
+
+
+def test_replicated_input_needs_expert_combine_and_records_invalid_ids(rng):
+  mesh = Mesh(np.array(jax.devices()[:8]), ("ep",))
+  with pytest.raises(ValueError, match="combine_reduce must be 'expert'"):
+    jm.Communicator(jm.MoEConfig(E, K, H, 8, dispatch_dtype=jnp.bfloat16), mesh, "ep",
+                    backend="xla", replicated_over="ep")
+  cfg = jm.MoEConfig(E, K, H, 8, dispatch_dtype=jnp.bfloat16, combine_reduce="expert")
+  comm = jm.Communicator(cfg, mesh, "ep", backend="xla", replicated_over="ep")
+  x = rng.standard_normal((8, H)).astype(jnp.bfloat16)
+  ids, w = routing(rng, 8, "random")
+  ids[2, 1] = E + 5
+  jax.block_until_ready(program(comm, None, "ep")(x, ids, w, np.array([8], np.int32)))
+  with pytest.raises(jm.CommError) as info:
+    comm.check()
+  assert (info.value.code, info.value.rank, info.value.detail) == (
+      jm.ErrorCode.INVALID_EXPERT_ID, 0, E + 5)
+  comm.close()

@@ -117,6 +117,10 @@ class XlaBackend:
   def check(self):
     return self.errors.take()
 
+  def _all_to_all(self, v: jax.Array) -> jax.Array:
+    """[R, ...] blocks, block d to rank d (backends/replicated.py exchanges with itself)."""
+    return jax.lax.all_to_all(v, self.axis, 0, 0)
+
   def close(self) -> None:
     pass
 
@@ -181,7 +185,7 @@ class XlaBackend:
          jnp.max(per_dest)),
     ])
 
-    a2a = lambda v: jax.lax.all_to_all(v, self.axis, 0, 0)
+    a2a = self._all_to_all
     return XlaDispatchPending(
         recv_x=a2a(pack(q)),
         recv_scales=None if scales is None else a2a(pack(scales.astype(jnp.float32))),
@@ -248,7 +252,7 @@ class XlaBackend:
   # ---------------------------------------------------------------- combine
   def combine_send(self, y, handle: XlaHandle) -> XlaCombinePending:
     cfg = self.cfg
-    a2a = lambda v: jax.lax.all_to_all(v, self.axis, 0, 0)
+    a2a = self._all_to_all
     if cfg.combine_reduce == "source":
       rows = handle.recv_rows
       back = jnp.where((rows >= 0)[..., None], y[jnp.maximum(rows, 0)], 0).astype(y.dtype)
