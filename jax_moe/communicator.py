@@ -105,7 +105,8 @@ class Communicator:
     if replicated_over is not None and not self.replicated_input:
       if replicated_over not in names:
         raise ValueError(f"Communicator: replicated_over ({replicated_over!r}) must be one of "
-                         f"the communicator's axes {names}")
+                         f"the communicator's axes {names} (a DP group), or all of them "
+                         f"(replicated input)")
       self.group_size = mesh.shape[replicated_over]
       if cfg.max_tokens % self.group_size:
         raise ValueError(f"Communicator: MoEConfig.max_tokens ({cfg.max_tokens}) must be a "
