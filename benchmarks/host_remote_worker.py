@@ -50,7 +50,7 @@ class Meeting:
   """Barriers at the jax.distributed coordinator, and its key-value store."""
 
   def __init__(self):
-    from jax_moe.backends.cuda_ranks import distributed_client
+    from jax_moe.backends.ranks import distributed_client
     self.client = distributed_client("bench_host_remote")
     self._count = 0
 

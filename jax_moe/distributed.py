@@ -63,7 +63,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
 
 def _client():
-  from jax_moe.backends.cuda_ranks import distributed_client
+  from jax_moe.backends.ranks import distributed_client
 
   return distributed_client("jax_moe.distributed")
 

@@ -21,8 +21,8 @@ import jax
 
 from jax_moe import settings
 from jax_moe.backends import host_remote
-from jax_moe.backends.cuda_ranks import (KV_TIMEOUT_MS, RankStates, cuda_module,
-                                         distributed_client)
+from jax_moe.backends.cuda_ranks import cuda_module
+from jax_moe.backends.ranks import KV_TIMEOUT_MS, RankStates, distributed_client
 
 _host_checks = itertools.count(1)  # the same sequence in every process, like comm ids
 

@@ -23,7 +23,7 @@ import numpy as np
 from jax_moe import native, settings
 from jax_moe.backends import host_remote
 from jax_moe.backends.native_backend import NativeBackend
-from jax_moe.backends.cuda_ranks import RankStates
+from jax_moe.backends.ranks import RankStates
 from jax_moe.sharding import rank_groups
 
 

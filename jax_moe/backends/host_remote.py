@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 
 from jax_moe import native, settings
-from jax_moe.backends.cuda_ranks import KV_TIMEOUT_MS, distributed_client
+from jax_moe.backends.ranks import KV_TIMEOUT_MS, distributed_client
 
 
 def available() -> bool:

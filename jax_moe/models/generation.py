@@ -160,7 +160,7 @@ class _TokenReader:
     self.multi = jax.process_count() > 1
     if self.multi:
       from jax_moe import settings
-      from jax_moe.backends.cuda_ranks import distributed_client
+      from jax_moe.backends.ranks import distributed_client
 
       self.client = distributed_client("generate")
       self.timeout_ms = int(max(60.0, 3 * settings.timeout_s()) * 1000)
