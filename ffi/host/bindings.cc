@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "cuda/nvlink_layout.cuh"
 #include "ffi/host/state.h"
 #include "ffi/moe_dims.h"
 #include "ffi/native_host.h"
@@ -46,6 +47,24 @@ void bind_host(nb::module_& m) {
         nb::arg("threads"), "Threads of the rank's row loops (1 to 64; default 1).");
   m.def("host_destroy_rank", &host::destroy_host_rank, nb::arg("comm_id"), nb::arg("ordinal"),
         "Frees the rank's buffer.");
+  m.def(
+      "buffer_bytes",
+      [](int world, int max_tokens, int hidden, int topk, int num_experts, int block_size,
+         int expert_padding, int capacity, bool fp8, bool reduce_expert, bool partial_bf16,
+         int chunks) {
+        const MoeDims d = moe_dims(0, world, max_tokens, hidden, topk, num_experts, block_size,
+                                   expert_padding, capacity, fp8, reduce_expert, partial_bf16);
+        nb::dict out;
+        out["nvlink"] = nvlink_layout(d, chunks).total;  // cuda/nvlink_layout.cuh
+        out["host"] = buffer_layout(d).total;            // cuda/layout.cuh (host protocol)
+        return out;
+      },
+      nb::arg("world"), nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("topk"),
+      nb::arg("num_experts"), nb::arg("block_size"), nb::arg("expert_padding"),
+      nb::arg("capacity"), nb::arg("fp8"), nb::arg("reduce_expert"), nb::arg("partial_bf16"),
+      nb::arg("chunks"),
+      "Bytes of one rank's communication buffer in each protocol's layout: 'nvlink' (the cuda "
+      "kernels, both parities) and 'host' (the host backend and the cuda host proxies).");
 }
 
 void add_host_targets(nb::dict& targets) {

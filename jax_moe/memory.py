@@ -1,0 +1,38 @@
+"""What a communicator takes in memory per rank, from the native layouts themselves
+(`jax_moe._native.buffer_bytes` reads cuda/nvlink_layout.cuh and cuda/layout.cuh)."""
+
+from __future__ import annotations
+
+from jax_moe import native
+from jax_moe.config import MoEConfig
+
+
+def per_rank_bytes(cfg: MoEConfig, axis_size: int, *, chunks: int = 132,
+                   remote_ranks: int = 0) -> dict[str, int]:
+  """Bytes one rank holds for a communicator of `cfg` over `axis_size` ranks.
+
+  - "nvlink_buffer": the cuda backend's communication buffer over NVLink (both parities), for
+    `chunks` token chunks (MoEConfig.num_sms, by default the device's SM count: 132 on H100
+    and H200);
+  - "host_buffer": the host backend's (and the cuda host proxies') buffer, plus one staging
+    copy per rank in another process (`remote_ranks`);
+  - "dispatch_output": the arrays a dispatch returns (rows, scales, weights, counts, slot
+    rows), allocated by XLA for each call in flight.
+  """
+  module = native.load()
+  if module is None or not hasattr(module, "buffer_bytes"):
+    raise ValueError(f"per_rank_bytes: needs jax_moe._native ({native.build_info()})")
+  capacity = cfg.capacity(axis_size)
+  layouts = module.buffer_bytes(
+      world=axis_size, max_tokens=cfg.max_tokens, hidden=cfg.hidden,
+      topk=cfg.experts_per_token, num_experts=cfg.num_experts, block_size=cfg.block_size,
+      expert_padding=cfg.expert_padding, capacity=capacity, fp8=cfg.is_fp8,
+      reduce_expert=cfg.combine_reduce == "expert",
+      partial_bf16=cfg.partial_dtype.name == "bfloat16", chunks=chunks)
+  scales = capacity * cfg.num_scale_blocks * 4 if cfg.is_fp8 else 0
+  output = (capacity * cfg.hidden * cfg.dispatch_dtype.itemsize + scales + capacity * 4
+            + 2 * cfg.num_local_experts(axis_size) * 4
+            + axis_size * cfg.max_tokens * cfg.experts_per_token * 4)
+  return {"nvlink_buffer": int(layouts["nvlink"]),
+          "host_buffer": int(layouts["host"]) * (1 + remote_ranks),
+          "dispatch_output": int(output)}

@@ -1,0 +1,27 @@
+"""jax_moe.memory.per_rank_bytes against the sizes the layouts' comments state."""
+
+import jax.numpy as jnp
+import pytest
+
+import jax_moe as jm
+from jax_moe import memory, native
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="needs jax_moe._native")
+
+
+def test_buffers_hold_every_region_and_grow_with_what_they_carry():
+  R, T, H, K, E = 8, 128, 7168, 8, 256
+  cfg = jm.MoEConfig(E, K, H, T, combine_reduce="expert", partial_dtype=jnp.bfloat16)
+  got = memory.per_rank_bytes(cfg, R)
+  token = H + 4 * (H // 128)  # fp8 codes + f32 scales (cuda/layout.cuh token_bytes)
+  # Two parities of: tokens [R][T], partials [R][T][H] bf16, routes [R][T][K] (codes, weights).
+  per_parity = R * T * token + R * T * H * 2 + 2 * 4 * R * T * K
+  assert 2 * per_parity <= got["nvlink_buffer"] <= 2 * per_parity + 2**20
+  assert per_parity <= got["host_buffer"] <= per_parity + 2**20
+  # One staging copy per rank in another process.
+  assert memory.per_rank_bytes(cfg, R, remote_ranks=3)["host_buffer"] == 4 * got["host_buffer"]
+  capacity = cfg.capacity(R)
+  assert got["dispatch_output"] >= capacity * (H + 4 * (H // 128) + 4)
+  source = memory.per_rank_bytes(jm.MoEConfig(E, K, H, T), R)  # rows [T][K][H] bf16, one parity
+  assert source["nvlink_buffer"] - got["nvlink_buffer"] == pytest.approx(
+      2 * (T * K * H * 2 - R * T * H * 2), abs=2**16)
