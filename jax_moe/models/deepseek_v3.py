@@ -131,6 +131,7 @@ class TopkRouter(nnx.Module):
 
   def __init__(self, cfg: RoutingConfig, hidden: int, *, rules: ShardingRules):
     self.cfg = cfg
+    self.rules = rules
     self.w_de = param(rules, (hidden, cfg.num_experts), ("embed", None), jnp.float32)
     self.e_score_correction_bias = param(rules, (cfg.num_experts,), (None,), jnp.float32)
 
@@ -138,7 +139,8 @@ class TopkRouter(nnx.Module):
     # Full f32 products (no TF32/bf16 passes on GPU): the router is tiny next to the experts.
     logits_te = jnp.einsum("td,de->te", x_td.astype(jnp.float32), self.w_de[...],
                            precision=jax.lax.Precision.HIGHEST)
-    return route(logits_te, self.e_score_correction_bias[...], self.cfg)
+    bias_e = self.e_score_correction_bias[...]
+    return self.rules.rowwise(lambda logits: route(logits, bias_e, self.cfg), logits_te)
 
 
 class DeepseekV3MoE(nnx.Module):

@@ -116,6 +116,7 @@ class SparseMoe(nnx.Module):
   def __init__(self, cfg: Qwen3MoeConfig, *, rules, pool, dtype, wire):
     self.top_k = cfg.num_experts_per_tok
     self.norm_topk_prob = cfg.norm_topk_prob
+    self.rules = rules
     self.router = layers.Linear(cfg.hidden_size, cfg.num_experts, logical_axes=("embed", None),
                                 rules=rules, dtype=dtype)
     self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
@@ -125,7 +126,7 @@ class SparseMoe(nnx.Module):
   def __call__(self, x_bsd):
     logits = self.router(x_bsd)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, ids = jax.lax.top_k(probs, self.top_k)
+    weights, ids = self.rules.rowwise(lambda p: jax.lax.top_k(p, self.top_k), probs)
     if self.norm_topk_prob:
       weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     # transformers casts the routing weights to the activation dtype before using them

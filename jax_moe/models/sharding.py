@@ -85,6 +85,17 @@ class ShardingRules:
   def sharding(self, shape: Sequence[int], logical_axes: Sequence[str | None]) -> NamedSharding:
     return NamedSharding(self.mesh, self.spec_for(shape, logical_axes))
 
+  def rowwise(self, fn, *arrays):
+    """fn(*arrays) run on each device's rows (leading dims sharded over the axis, outputs
+    too) when the rows divide by the axis size, else on the whole arrays. For row-wise work
+    such as routing: XLA's partitioner all-gathers top_k's operand over the batch otherwise,
+    a collective per MoE layer (across processes, one that a dead peer blocks for ever)."""
+    from jax_moe.sharding import shard_map
+    if any(a.shape[0] % self.axis_size for a in arrays):
+      return fn(*arrays)
+    spec = P(self.axis)
+    return shard_map(fn, self.mesh, in_specs=(spec,) * len(arrays), out_specs=spec)(*arrays)
+
   def constrain(self, x: jax.Array, *logical_axes: str | None) -> jax.Array:
     """with_sharding_constraint by logical axes (inside jit; a no-op on one device)."""
     return jax.lax.with_sharding_constraint(x, self.sharding(x.shape, logical_axes))

@@ -121,3 +121,18 @@ def test_missing_communicator_under_jit_says_prepare(mesh_of):
     jax.jit(layer)(jnp.zeros((6, 128)), ids, jnp.ones((6, 4)))
   layer.pool.prepare(6)
   assert jax.jit(layer)(jnp.zeros((6, 128)), ids, jnp.ones((6, 4))).shape == (6, 128)
+
+
+@pytest.mark.parametrize("name", ("tiny-qwen3-moe", "tiny-deepseek-v3"))
+def test_routing_runs_on_each_device_without_collectives(name):
+  """The router's top_k runs per shard (ShardingRules.rowwise): XLA's partitioner would
+  all-gather its operand over the batch, one collective per MoE layer."""
+  import re
+
+  from jax_moe import models
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices")
+  model = models.tiny(name, backend="xla", dtype=jnp.float32)
+  ids = jnp.zeros((8, 4), jnp.int32)
+  hlo = jax.jit(lambda i: models.forward(model, i)).lower(ids).compile().as_text()
+  assert not re.findall(r"= \S+ all-gather\(", hlo)
