@@ -10,8 +10,9 @@
 //   every block then sends the token rows of its chunks, once to each rank that holds a slot
 //   of the token (fp8-quantized on the way when asked), and raises rows_flag per chunk.
 // Receive (every rank, as a destination):
-//   every block waits for every source's route flags (the counts give each expert's segment), then per
-//   chunk for the sources' rows of that chunk, and copies each token to its rows.
+//   every block waits for every source's route flags (the counts give each expert's
+//   segment), then per chunk for the sources' rows of that chunk, and copies each token to
+//   its rows.
 #include "cuda/api.cuh"
 #include "cuda/exchange.cuh"
 #include "cuda/rows.cuh"
@@ -179,10 +180,10 @@ __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t
 
 // Quantizes scale blocks [block_begin, block_end) of bf16 row `row` [H] (docs/semantics.md:
 // per block amax = max(max|x|, 1e-4), scale = amax * f32(1/448), q = e4m3fn(clip(x * (448 /
-// amax)))) and stores codes and scales into token t's slot on every rank of dest_mask. One
-// warp; a scale block is covered by `lanes_per_block` lanes (CPL 16-byte vectors each) that
-// reduce its amax with shuffles. A batch loads up to 8 vectors per lane before any arithmetic
-// (one load in flight per lane left the old kernel bound by memory latency).
+// amax)))) and stores codes and scales into the token's slot on every destination in
+// `dests`. One warp; a scale block is covered by `lanes_per_block` lanes (CPL 16-byte vectors
+// each) that reduce its amax with shuffles. A batch loads up to 8 vectors per lane before any
+// arithmetic (one load in flight per lane left the old kernel bound by memory latency).
 template <int CPL>
 __device__ void send_quantized(const CommView& v, const uint4* row, const TokenDests& dests,
                                int block_begin, int block_end) {
