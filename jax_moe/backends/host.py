@@ -4,8 +4,8 @@ The same FFI targets and arguments as the `cuda` backend, so everything above th
 is backends/native_backend.py's, except that every call is ordered (backends/ordered_ffi.py).
 Its protocol and buffer layout (cuda/layout.cuh's BufferLayout: sequence flags with
 acknowledgements) are also what the cuda backend's host proxies run; the NVLink kernels have
-their own (cuda/nvlink_layout.cuh). XLA runs each CPU device's program on its own thread; ranks of one
-process share memory and write straight into each other's buffers, signalling with sequence
+their own (cuda/nvlink_layout.cuh). XLA runs each CPU device's program on its own thread;
+ranks of one process share memory and write straight into each other's buffers, signalling with sequence
 flags; every wait has a timeout (JAX_MOE_TIMEOUT_S, default 10 s).
 
 Ranks in other processes (a mesh over jax.distributed) are reached through one
