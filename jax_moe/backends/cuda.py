@@ -3,8 +3,7 @@
 Each rank owns one buffer (cuda/nvlink_layout.cuh), allocated when the Communicator is built
 and mapped by every peer (jax_moe/backends/cuda_ranks.py; generic rank state in ranks.py).
 Where the mesh spans hosts (or JAX_MOE_FORCE_REMOTE=1), the same calls go through host proxies
-instead
-(jax_moe/backends/cuda_proxy.py). Each op is one kernel: source ranks write routes and token
+instead (jax_moe/backends/cuda_proxy.py). Each op is one kernel: source ranks write routes and token
 rows straight into their destinations' buffers and raise a flag per token chunk; sequence
 numbers live in device memory and every wait has a timeout (JAX_MOE_TIMEOUT_S, default 10 s).
 The protocol's chunk count (MoEConfig.num_sms, or the smallest SM count of the mesh's
