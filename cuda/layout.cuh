@@ -50,6 +50,13 @@ enum Stage : int32_t {
   kStageProxy = 9,              // a stream waiting for its host proxy to finish an exchange
 };
 
+// The AllReduce's `algorithm` attribute (jax_moe/all_reduce.py's _KERNEL_IDS).
+enum AllReduceAlgorithm : int32_t {
+  kOneShot = 0,
+  kTwoShot = 1,
+  kNvls = 2,
+};
+
 // The first error a device records; lives in mapped pinned host memory so the host reads it
 // without synchronizing. `code` is written last, so a non-zero code means the rest is valid.
 struct ErrorRecord {

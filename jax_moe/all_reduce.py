@@ -31,7 +31,8 @@ from jax_moe import native
 from jax_moe.errors import CommError
 
 ALGORITHMS = ("auto", "one_shot", "two_shot", "nvls", "psum")
-_KERNEL_IDS = {"one_shot": 0, "two_shot": 1, "nvls": 2}  # AllReduceAlgorithm in the handler
+# AllReduceAlgorithm of cuda/layout.cuh (tests/test_protocol_enums.py checks they agree)
+_KERNEL_IDS = {"one_shot": 0, "two_shot": 1, "nvls": 2}
 DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 DEFAULT_MAX_BYTES = 8 << 20
 MAX_MAX_BYTES = 1 << 30  # each rank's buffer holds 2 * R * max_bytes

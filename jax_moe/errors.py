@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 
 
+# ErrorCode and Stage mirror cuda/layout.cuh (import jax_moe works without the native module);
+# tests/test_protocol_enums.py checks them against the built module's protocol_enums().
 class ErrorCode(enum.IntEnum):
   OK = 0
   INVALID_EXPERT_ID = 1   # detail: the offending id

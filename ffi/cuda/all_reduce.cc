@@ -12,8 +12,6 @@
 namespace jax_moe {
 namespace {
 
-// The `algorithm` attribute; _KERNEL_IDS in jax_moe/all_reduce.py.
-enum AllReduceAlgorithm : int32_t { kOneShot = 0, kTwoShot = 1, kNvls = 2 };
 
 ffi::ErrorOr<ReduceDtype> reduce_dtype(const CallSite& site, ffi::DataType dtype) {
   switch (dtype) {

@@ -48,6 +48,34 @@ void bind_host(nb::module_& m) {
   m.def("host_destroy_rank", &host::destroy_host_rank, nb::arg("comm_id"), nb::arg("ordinal"),
         "Frees the rank's buffer.");
   m.def(
+      "protocol_enums",
+      [] {
+        // The values Python mirrors (jax_moe/errors.py, jax_moe/all_reduce.py), from the enums
+        // of cuda/layout.cuh; tests/test_protocol_enums.py holds the two sides together.
+        nb::dict codes, stages, algorithms, out;
+        codes["INVALID_EXPERT_ID"] = int(kInvalidExpertId);
+        codes["CAPACITY_OVERFLOW"] = int(kCapacityOverflow);
+        codes["TIMEOUT"] = int(kTimeout);
+        codes["BAD_NUM_TOKENS"] = int(kBadNumTokens);
+        stages["DISPATCH_SEND"] = int(kStageDispatchSend);
+        stages["DISPATCH_RECV"] = int(kStageDispatchRecv);
+        stages["COMBINE_SEND"] = int(kStageCombineSend);
+        stages["COMBINE_RECV"] = int(kStageCombineRecv);
+        stages["ALL_REDUCE_ONE_SHOT"] = int(kStageAllReduceOneShot);
+        stages["ALL_REDUCE_SCATTER"] = int(kStageAllReduceScatter);
+        stages["ALL_REDUCE_GATHER"] = int(kStageAllReduceGather);
+        stages["ALL_REDUCE_NVLS"] = int(kStageAllReduceNvls);
+        stages["PROXY"] = int(kStageProxy);
+        algorithms["one_shot"] = int(kOneShot);
+        algorithms["two_shot"] = int(kTwoShot);
+        algorithms["nvls"] = int(kNvls);
+        out["ErrorCode"] = codes;
+        out["Stage"] = stages;
+        out["AllReduceAlgorithm"] = algorithms;
+        return out;
+      },
+      "The protocol's enums as {enum: {name: value}} (cuda/layout.cuh).");
+  m.def(
       "buffer_bytes",
       [](int world, int max_tokens, int hidden, int topk, int num_experts, int block_size,
          int expert_padding, int capacity, bool fp8, bool reduce_expert, bool partial_bf16,
