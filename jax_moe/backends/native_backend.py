@@ -40,6 +40,17 @@ class NativeCombinePending(NamedTuple):
   topk_weights: jax.Array
 
 
+def layout_sizes(cfg: MoEConfig, world: int) -> dict:
+  """The sizes of a communicator's native layout, as the *_create_rank and buffer_bytes
+  bindings take them (ffi/moe_dims.h builds MoeDims from them)."""
+  return dict(world=world, max_tokens=cfg.max_tokens, hidden=cfg.hidden,
+              topk=cfg.experts_per_token, num_experts=cfg.num_experts,
+              block_size=cfg.block_size, expert_padding=cfg.expert_padding,
+              capacity=cfg.capacity(world), fp8=cfg.is_fp8,
+              reduce_expert=cfg.combine_reduce == "expert",
+              partial_bf16=cfg.partial_dtype == np.dtype(jnp.bfloat16))
+
+
 class NativeBackend:
   """Subclasses set `name` and provide `_make_ranks(mesh, axis)` (a RankStates with comm_id,
   check and close), `_create_rank(comm_id, ordinal, rank)` and `_call(target, result_types,
@@ -58,14 +69,7 @@ class NativeBackend:
 
   def _rank_sizes(self, rank: int) -> dict:
     """One rank's sizes, as the *_create_rank bindings take them."""
-    cfg = self.cfg
-    return dict(rank=rank, world=self.R, max_tokens=cfg.max_tokens, hidden=cfg.hidden,
-                topk=cfg.experts_per_token, num_experts=cfg.num_experts,
-                block_size=cfg.block_size, expert_padding=cfg.expert_padding,
-                capacity=self.capacity, fp8=cfg.is_fp8,
-                reduce_expert=cfg.combine_reduce == "expert",
-                partial_bf16=cfg.partial_dtype == np.dtype(jnp.bfloat16),
-                timeout_s=self._timeout_s)
+    return dict(rank=rank, timeout_s=self._timeout_s, **layout_sizes(self.cfg, self.R))
 
   # ---------------------------------------------------------------- lifecycle
   def check(self):
