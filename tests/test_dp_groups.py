@@ -14,6 +14,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_moe as jm
 from jax_moe.sharding import shard_map
+from moe_runner import dequantize_rows, local_expert_of_rows
 
 H, E, K = 128, 16, 4
 
@@ -48,10 +49,9 @@ def program(comm, in_axes, out_axes, split=False):
   def body(x, ids, w, n):
     r = (comm.dispatch_recv(comm.dispatch_send(x, ids, w, n.reshape(()))) if split
          else comm.dispatch(x, ids, w, n.reshape(())))
-    local = jnp.searchsorted(jnp.cumsum(r.group_sizes), jnp.arange(comm.capacity), side="right")
+    local = local_expert_of_rows(r.group_sizes, comm.capacity)
     rank = jax.lax.axis_index(comm.axis)
-    rows = (r.x.astype(jnp.float32) if r.scales is None
-            else jm.dequantize_fp8(r.x, r.scales, jnp.float32))
+    rows = dequantize_rows(r.x, r.scales, comm.cfg.block_size)
     y = rows * (rank * L + local + 1).astype(jnp.float32)[:, None]
     y = y.astype(jnp.bfloat16)
     return (comm.combine_recv(comm.combine_send(y, r.handle)) if split

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_moe as jm
 from jax_moe.sharding import shard_map
 from meshes import make_mesh
+from moe_runner import local_expert_of_rows
 
 AXIS = "ep"
 R, T, H, E, K = 4, 8, 128, 8, 2
@@ -45,7 +46,7 @@ def moe_program(comm, mesh=None, axis=AXIS, scaled=False):
     y = r.x.astype(jnp.float32)
     if scaled:
       L = comm.num_local_experts
-      local = jnp.searchsorted(jnp.cumsum(r.group_sizes), jnp.arange(comm.capacity), side="right")
+      local = local_expert_of_rows(r.group_sizes, comm.capacity)
       y = y * (jax.lax.axis_index(AXIS) * L + local + 1).astype(jnp.float32)[:, None]
     return comm.combine(y.astype(jnp.bfloat16), r.handle)
   mesh = comm.mesh if mesh is None else mesh
