@@ -48,10 +48,6 @@ cudaError_t launch_combine(const CommView& view, int phases, const void* y,
                            const int32_t* send_dest, const float* topk_weights, void* out,
                            cudaStream_t stream);
 
-// Dynamic shared memory of a dispatch block (the route table or the segments, whichever is
-// larger); the state refuses dims that need more than kExchangeSmem.
-size_t dispatch_smem_bytes(const MoeDims& d);
-
 // Element type of an all-reduce; every type is summed in f32 and rounded once.
 enum ReduceDtype : int {
   kReduceF32 = 0,

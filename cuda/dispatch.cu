@@ -528,13 +528,15 @@ dispatch_kernel(CommView v, TokenInput input, const void* x,
   }
 }
 
-}  // namespace
-
+// Dynamic shared memory of a dispatch block: the route table or the segments, whichever is
+// larger (the state refuses dims where either needs more than kExchangeSmem).
 size_t dispatch_smem_bytes(const MoeDims& d) {
   const size_t route = 4 * size_t(route_warps(d)) * d.num_experts;
   const size_t place = place_smem_bytes(d);
   return route > place ? route : place;
 }
+
+}  // namespace
 
 cudaError_t launch_dispatch(const CommView& view, int phases, TokenInput input, const void* x,
                             const float* x_scales, const int32_t* topk_ids,
