@@ -10,7 +10,6 @@
 namespace jax_moe {
 
 constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 
 __device__ inline uint64_t load_acquire_sys(const uint64_t* flag) {
