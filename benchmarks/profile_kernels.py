@@ -7,6 +7,10 @@ are about, so this is the tool to find where a step's time goes (nsys does not r
 lent machines; CUPTI through JAX does).
 
   python benchmarks/profile_kernels.py --tokens 128 --dispatch-dtype fp8 --reduce source
+
+With --stages (cuda backend over NVLink) it also prints when each block of the last dispatch and
+combine kernels reached each stage (cuda/stage_clock.cuh: JAX_MOE_STAGE_CLOCKS=1, set here),
+as min / median / max over blocks in us from the kernel's first block start.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import os
 import json
 import sys
 import tempfile
@@ -47,6 +52,8 @@ def parse_args():
                  help="time the halves (dispatch_send/recv, combine_send/recv) as separate calls")
   p.add_argument("--ep", type=int, default=None, help="use the first N devices (default all)")
   p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--stages", action="store_true",
+                 help="also print per-block stage times of the NVLink kernels (cuda backend)")
   p.add_argument("--json", default=None, help="also write the table here")
   return p.parse_args()
 
@@ -59,6 +66,8 @@ def short_name(name: str) -> str:
 
 def main():
   a = parse_args()
+  if a.stages:
+    os.environ["JAX_MOE_STAGE_CLOCKS"] = "1"  # read when the Communicator is built
   devices = jax.devices()[:a.ep] if a.ep else jax.devices()
   R = len(devices)
   mesh = Mesh(np.array(devices), ("ep",))
@@ -121,9 +130,42 @@ def main():
           f"({a.backend}, {a.dispatch_dtype}, {a.reduce}, {a.tokens} tokens/rank, EP{R})")
     for n, c, m, t in rows[:14]:
       print(f"  {m:9.1f} us x{c:4d}  {short_name(n)}")
+  stages = stage_table(comm.stage_clocks(), fused=not a.split) if a.stages else {}
   if a.json:
     with open(a.json, "w") as f:
-      json.dump({"config": vars(a), "planes": table}, f, indent=1)
+      json.dump({"config": vars(a), "planes": table, "stages": stages}, f, indent=1)
+
+
+SEND_MARKS = ("send_start", "routed", "sent")
+
+
+def stage_table(clocks: dict, fused: bool) -> dict:
+  """Per device and kernel, each mark's min / median / max over blocks in us, from the first
+  block's start of the launch that wrote it (the fused op's one launch starts at send_start;
+  with the halves as separate launches the receive marks count from recv_start)."""
+  out = {}
+  for ordinal, kernels in sorted(clocks.items()):
+    for kernel, marks in kernels.items():
+      at = {m: np.asarray(v, dtype=np.int64) for m, v in marks.items()}
+      send0, recv0 = at["send_start"], at["recv_start"]
+      if not (send0 > 0).any() and not (recv0 > 0).any():
+        continue
+      print(f"GPU {ordinal} {kernel} stages ({'fused' if fused else 'per half'}), us from "
+            f"the first block's start: min / median / max over blocks")
+      rows = {}
+      for mark, ns in at.items():
+        hit = ns[ns > 0]
+        if not hit.size:
+          continue
+        origin = send0[send0 > 0].min() if (mark in SEND_MARKS or fused) else \
+            recv0[recv0 > 0].min()
+        us = (hit - origin) / 1e3
+        rows[mark] = dict(blocks=int(hit.size), min_us=float(us.min()),
+                          median_us=float(np.median(us)), max_us=float(us.max()))
+        print(f"  {mark:12s} {us.min():8.1f} {np.median(us):8.1f} {us.max():8.1f}"
+              f"   ({hit.size} blocks)")
+      out[f"{ordinal}/{kernel}"] = rows
+  return out
 
 
 if __name__ == "__main__":

@@ -231,6 +231,7 @@ combine_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
   const NvlinkLayout lay = nvlink_layout(d, v.chunks);
   load_peers(v);
   if (kPhases & kPhaseSend) {
+    clock_mark(v, kClockCombine, kMarkSendStart);
     const uint64_t seq = chunk_seq(v, kSeqCombineSend, blockIdx.x);
     if (done && blockIdx.x == 0 && threadIdx.x == 0) *done = 0;
     for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
@@ -240,17 +241,21 @@ combine_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
       signal_peers(v, lay.comb_flag, d.rank * v.chunks + c, seq);
       finish_chunk(v, kSeqCombineSend, c, seq);
     }
+    clock_mark(v, kClockCombine, kMarkSent);
   }
   if (kPhases & kPhaseRecv) {
+    clock_mark(v, kClockCombine, kMarkRecvStart);
     const uint64_t seq = chunk_seq(v, kSeqCombineRecv, blockIdx.x);
     const char* region = parity_region(v.local, lay, seq);
     for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
       if (!wait_peers(v, lay.comb_flag, v.chunks, c, seq, kStageCombineRecv)) return;
+      if (c == blockIdx.x) clock_mark(v, kClockCombine, kMarkDataSeen);
       sum_chunk(v, region, lay, send_dest, topk_weights, out, chunk_begin(v, c),
                 chunk_begin(v, c + 1));
       __syncthreads();
       finish_chunk(v, kSeqCombineRecv, c, seq);
     }
+    clock_mark(v, kClockCombine, kMarkRecvDone);
   }
 }
 

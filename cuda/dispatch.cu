@@ -491,6 +491,7 @@ dispatch_kernel(CommView v, TokenInput input, const void* x,
   load_peers(v);
 
   if (kPhases & kPhaseSend) {
+    clock_mark(v, kClockDispatch, kMarkSendStart);
     const uint64_t seq = chunk_seq(v, kSeqDispatchSend, blockIdx.x);
     const int given = *num_tokens;
     const int ntok = min(max(given, 0), d.max_tokens);
@@ -500,6 +501,7 @@ dispatch_kernel(CommView v, TokenInput input, const void* x,
         record_error(v, kBadNumTokens, kStageDispatchSend, given);
       route_slots(v, lay, seq, blockIdx.x, topk_ids, topk_weights, ntok, send_dest, smem);
       signal_peers(v, lay.route_flag, d.rank * route_parts + blockIdx.x, seq);
+      clock_mark(v, kClockDispatch, kMarkRouted);
     }
     for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
       send_chunk(v, lay, seq, input, x, x_scales, topk_ids, chunk_begin(v, c),
@@ -507,24 +509,30 @@ dispatch_kernel(CommView v, TokenInput input, const void* x,
       signal_peers(v, lay.rows_flag, d.rank * v.chunks + c, seq);
       finish_chunk(v, kSeqDispatchSend, c, seq);
     }
+    clock_mark(v, kClockDispatch, kMarkSent);
   }
 
   if (kPhases & kPhaseRecv) {
+    clock_mark(v, kClockDispatch, kMarkRecvStart);
     const uint64_t seq = chunk_seq(v, kSeqDispatchRecv, blockIdx.x);
     const char* region = parity_region(v.local, lay, seq);
     // Every source's counts before any row: they place each expert's segment.
     const int route_parts = route_blocks(d, v.chunks);
     if (!wait_peers(v, lay.route_flag, route_parts, 0, seq, kStageDispatchRecv, route_parts))
       return;
+    clock_mark(v, kClockDispatch, kMarkCountsSeen);
     const Segments g = build_segments(v, region, lay, smem);
     write_segments(v, g, x_out, scales_out, weights_out, group_sizes, tokens_per_expert);
+    clock_mark(v, kClockDispatch, kMarkSegments);
     for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
       if (!wait_peers(v, lay.rows_flag, v.chunks, c, seq, kStageDispatchRecv)) return;
+      if (c == blockIdx.x) clock_mark(v, kClockDispatch, kMarkDataSeen);
       place_chunk(v, lay, region, g, chunk_begin(v, c), chunk_begin(v, c + 1), x_out,
                   scales_out, weights_out, slot_rows);
       __syncthreads();
       finish_chunk(v, kSeqDispatchRecv, c, seq);
     }
+    clock_mark(v, kClockDispatch, kMarkRecvDone);
   }
 }
 

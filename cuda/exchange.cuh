@@ -4,6 +4,7 @@
 #pragma once
 
 #include "cuda/nvlink_layout.cuh"
+#include "cuda/stage_clock.cuh"
 #include "cuda/sync.cuh"
 
 namespace jax_moe {
@@ -20,6 +21,13 @@ static __shared__ char* block_peers[kMaxWorld];
 __device__ inline void load_peers(const CommView& v) {
   for (int p = threadIdx.x; p < v.dims.world; p += blockDim.x) block_peers[p] = v.peers[p];
   __syncthreads();
+}
+
+// Records when thread 0 of this block reached `mark` (cuda/stage_clock.cuh); nothing unless
+// the communicator was built with stage clocks.
+__device__ inline void clock_mark(const CommView& v, ClockKernel kernel, ClockMark mark) {
+  if (v.stage_clock == nullptr || threadIdx.x != 0) return;
+  v.stage_clock[(size_t(kernel) * v.grid + blockIdx.x) * kClockMarks + mark] = global_timer_ns();
 }
 
 // First token of chunk c (chunk c covers [chunk_begin(c), chunk_begin(c + 1))).

@@ -155,6 +155,8 @@ struct CommView {
   DeviceCounters* counters;  // device memory
   ErrorRecord* error;        // device pointer to the mapped host record
   uint64_t* chunk_seq;       // device memory [kChunkCounters][chunks] (nvlink_layout.cuh)
+  uint64_t* stage_clock;     // device [kClockKernels][grid][kClockMarks] or null
+                             // (cuda/stage_clock.cuh)
   uint64_t timeout_ns;       // every spin-wait gives up after this long
   int chunks;                // token chunks of the NVLink protocol, equal on every rank
   int grid;                  // blocks of a dispatch/combine launch (<= chunks), MoEConfig.num_sms

@@ -142,6 +142,13 @@ class Communicator:
     if err is not None:
       raise CommError(*err)
 
+  def stage_clocks(self) -> dict:
+    """Per-block stage timestamps of the latest dispatch/combine kernels, {device ordinal:
+    {kernel: {mark: [globaltimer ns per block]}}}: cuda backend over NVLink, built with
+    JAX_MOE_STAGE_CLOCKS=1 (benchmarks/profile_kernels.py --stages); {} otherwise."""
+    clocks = getattr(self._backend, "stage_clocks", None)
+    return clocks() if clocks is not None else {}
+
   def close(self) -> None:
     """Frees the native state. Programs traced with this communicator must not run again;
     tracing new ones is refused."""

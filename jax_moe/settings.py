@@ -30,6 +30,15 @@ def timeout_s() -> float:
   return value
 
 
+def stage_clocks() -> bool:
+  """JAX_MOE_STAGE_CLOCKS: "1" makes cuda communicators record per-block stage timestamps of
+  their NVLink kernels (Communicator.stage_clocks(); default "0")."""
+  text = os.environ.get("JAX_MOE_STAGE_CLOCKS", "0")
+  if text not in ("0", "1"):
+    raise ValueError(f"JAX_MOE_STAGE_CLOCKS must be 0 or 1, got {text!r}")
+  return text == "1"
+
+
 def force_remote() -> bool:
   """JAX_MOE_FORCE_REMOTE: "1" makes every peer of a cuda communicator remote (default "0")."""
   text = os.environ.get("JAX_MOE_FORCE_REMOTE", "0")

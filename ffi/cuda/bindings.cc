@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/stage_clock.cuh"
 #include "ffi/cuda/handlers.h"
 #include "ffi/cuda/multicast.h"
 #include "ffi/cuda/state.h"
@@ -24,21 +25,46 @@ void bind_cuda(nb::module_& m) {
       "cuda_create_rank",
       [](int64_t comm_id, int ordinal, int rank, int world, int max_tokens, int hidden, int topk,
          int num_experts, int block_size, int expert_padding, int capacity, bool fp8,
-         bool reduce_expert, bool partial_bf16, double timeout_s, bool proxy, int chunks) {
+         bool reduce_expert, bool partial_bf16, double timeout_s, bool proxy, int chunks,
+         bool stage_clocks) {
         const MoeDims d = moe_dims(rank, world, max_tokens, hidden, topk, num_experts, block_size,
                                    expert_padding, capacity, fp8, reduce_expert, partial_bf16);
         if (proxy) create_proxy_rank_state(comm_id, ordinal, d, timeout_s);
-        else create_rank_state(comm_id, ordinal, d, chunks, timeout_s);
+        else create_rank_state(comm_id, ordinal, d, chunks, timeout_s, stage_clocks);
       },
       nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("rank"), nb::arg("world"),
       nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("topk"), nb::arg("num_experts"),
       nb::arg("block_size"), nb::arg("expert_padding"), nb::arg("capacity"), nb::arg("fp8"),
       nb::arg("reduce_expert"), nb::arg("partial_bf16"), nb::arg("timeout_s"),
-      nb::arg("proxy") = false, nb::arg("chunks") = 0,
+      nb::arg("proxy") = false, nb::arg("chunks") = 0, nb::arg("stage_clocks") = false,
       "Allocates the buffers of one rank of a CUDA communicator on local device `ordinal` "
-      "(NVLink protocol of `chunks` token chunks, equal on every rank); with `proxy`, the "
-      "pinned staging and doorbell of its host proxy instead (the host rank state of the same "
-      "ids then does the exchange).");
+      "(NVLink protocol of `chunks` token chunks, equal on every rank; with `stage_clocks` "
+      "also the kernels' per-block stage timestamps); with `proxy`, the pinned staging and "
+      "doorbell of its host proxy instead (the host rank state of the same ids then does the "
+      "exchange).");
+  m.def(
+      "cuda_stage_clocks",
+      [](int64_t comm_id, int ordinal) -> nb::object {
+        int grid = 0;
+        const std::vector<uint64_t> raw = read_stage_clocks(comm_id, ordinal, &grid);
+        if (raw.empty()) return nb::none();
+        nb::dict out;
+        for (int k = 0; k < kClockKernels; ++k) {
+          nb::dict marks;
+          for (int m = 0; m < kClockMarks; ++m) {
+            std::vector<uint64_t> per_block(grid);
+            for (int b = 0; b < grid; ++b)
+              per_block[b] = raw[(size_t(k) * grid + b) * kClockMarks + m];
+            marks[kClockMarkNames[m]] = per_block;
+          }
+          out[kClockKernelNames[k]] = marks;
+        }
+        return out;
+      },
+      nb::arg("comm_id"), nb::arg("ordinal"),
+      "{kernel: {mark: [globaltimer ns per block]}} of the rank's latest dispatch/combine "
+      "launches (cuda/stage_clock.cuh; 0 where a mark was never reached); None when the rank "
+      "was built without stage clocks. Synchronizes the device.");
   m.def("cuda_create_all_reduce_rank", &create_all_reduce_state, nb::arg("comm_id"),
         nb::arg("ordinal"), nb::arg("rank"), nb::arg("world"), nb::arg("max_bytes"),
         nb::arg("timeout_s"),

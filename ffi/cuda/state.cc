@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "cuda/nvlink_layout.cuh"
+#include "cuda/stage_clock.cuh"
 #include "ffi/host/state.h"
 
 namespace jax_moe {
@@ -90,6 +91,7 @@ void free_state(CudaRankState& s) {
   for (char* p : s.ipc_opened) cudaIpcCloseMemHandle(p);
   cudaFree(s.peers_device);
   cudaFree(s.chunk_seq);
+  cudaFree(s.stage_clock);
   cudaFree(s.counters);
   cudaFree(s.buffer);
   if (s.error_host) cudaFreeHost(s.error_host);
@@ -161,6 +163,7 @@ CommView CudaRankState::view() const {
   v.counters = counters;
   v.error = error_device;
   v.chunk_seq = chunk_seq;
+  v.stage_clock = stage_clock;
   v.timeout_ns = timeout_ns;
   v.chunks = chunks;
   v.grid = grid;
@@ -172,16 +175,21 @@ int32_t CudaRankState::pending_error() const {
 }
 
 void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, int chunks,
-                       double timeout_s) {
+                       double timeout_s, bool stage_clocks) {
   validate_dims(dims);
   validate_nvlink(dims, chunks);
   check_timeout(timeout_s);
   auto state = new_state(comm_id, ordinal, dims, timeout_s);
   state->chunks = chunks;
-  create_state(std::move(state), nvlink_layout(dims, chunks).total, [](CudaRankState& s) {
+  create_state(std::move(state), nvlink_layout(dims, chunks).total, [=](CudaRankState& s) {
     const size_t bytes = sizeof(uint64_t) * kChunkCounters * s.chunks;
     check_cuda(cudaMalloc(&s.chunk_seq, bytes), "cudaMalloc(chunk sequences)");
     check_cuda(cudaMemset(s.chunk_seq, 0, bytes), "cudaMemset(chunk sequences)");
+    if (stage_clocks) {
+      const size_t clock_bytes = sizeof(uint64_t) * kClockKernels * s.grid * kClockMarks;
+      check_cuda(cudaMalloc(&s.stage_clock, clock_bytes), "cudaMalloc(stage clocks)");
+      check_cuda(cudaMemset(s.stage_clock, 0, clock_bytes), "cudaMemset(stage clocks)");
+    }
   });
 }
 
@@ -309,6 +317,20 @@ bool take_rank_error(int64_t comm_id, int ordinal, ErrorRecord* out) {
                         cudaMemcpyHostToDevice),
              "cudaMemcpy(error claim)");
   return true;
+}
+
+std::vector<uint64_t> read_stage_clocks(int64_t comm_id, int ordinal, int* grid) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  CudaRankState& s = lookup(comm_id, ordinal);
+  *grid = s.grid;
+  if (s.stage_clock == nullptr) return {};
+  std::vector<uint64_t> out(size_t(kClockKernels) * s.grid * kClockMarks);
+  check_cuda(cudaSetDevice(ordinal), "cudaSetDevice");
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  check_cuda(cudaMemcpy(out.data(), s.stage_clock, out.size() * sizeof(uint64_t),
+                        cudaMemcpyDeviceToHost),
+             "cudaMemcpy(stage clocks)");
+  return out;
 }
 
 void destroy_rank_state(int64_t comm_id, int ordinal) {

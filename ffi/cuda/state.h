@@ -29,6 +29,7 @@ struct CudaRankState {
   char* buffer = nullptr;                 // this rank's buffer (buffer_layout / all_reduce)
   DeviceCounters* counters = nullptr;     // device memory
   uint64_t* chunk_seq = nullptr;          // device [kChunkCounters][chunks] (nvlink_layout.cuh)
+  uint64_t* stage_clock = nullptr;        // device, cuda/stage_clock.cuh; null unless asked for
   char** peers_device = nullptr;          // device array [R] of peer buffers
   std::vector<char*> ipc_opened;          // peer buffers mapped through CUDA IPC
   ErrorRecord* error_host = nullptr;      // mapped pinned host memory
@@ -51,8 +52,9 @@ struct CudaRankState {
 // `chunks`: token chunks of the NVLink protocol, the same on every rank of the communicator
 // (MoEConfig.num_sms, or the smallest SM count of its devices); a launch runs
 // min(chunks, SMs of this device) blocks.
+// `stage_clocks` also allocates the per-block stage timestamps (cuda/stage_clock.cuh).
 void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, int chunks,
-                       double timeout_s);
+                       double timeout_s, bool stage_clocks);
 // The state of one rank of an AllReduce of messages up to max_bytes.
 void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, int64_t max_bytes,
                              double timeout_s);
@@ -69,6 +71,9 @@ std::string rank_ipc_handle(int64_t comm_id, int ordinal);
 // (>= 0), or lives in another process and ipc_handles[p] maps it.
 void connect_rank_state(int64_t comm_id, int ordinal, const std::vector<int>& local_ordinals,
                         const std::vector<std::string>& ipc_handles);
+// The stage timestamps of the rank's latest launches, [kClockKernels][grid][kClockMarks]
+// (cuda/stage_clock.cuh); empty when the rank was built without them. Synchronizes the device.
+std::vector<uint64_t> read_stage_clocks(int64_t comm_id, int ordinal, int* grid);
 // Returns the recorded error and clears it; false when none is pending.
 bool take_rank_error(int64_t comm_id, int ordinal, ErrorRecord* out);
 void destroy_rank_state(int64_t comm_id, int ordinal);

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jax_moe import native
+from jax_moe import native, settings
 from jax_moe.backends import cuda_proxy
 from jax_moe.backends.cuda_ranks import CudaRanks
 from jax_moe.backends.native_backend import NativeBackend
@@ -39,6 +39,7 @@ class CudaBackend(NativeBackend):
 
   def __init__(self, cfg: MoEConfig, mesh, axis: str):
     self._chunks = cfg.num_sms or min(_sm_count(d) for d in mesh.devices.flat)
+    self._stage_clocks = settings.stage_clocks()
     super().__init__(cfg, mesh, axis)
 
   def _make_ranks(self, mesh, axis: str):
@@ -50,7 +51,15 @@ class CudaBackend(NativeBackend):
 
   def _create_rank(self, comm_id: int, ordinal: int, rank: int) -> None:
     native.load().cuda_create_rank(comm_id=comm_id, ordinal=ordinal, chunks=self._chunks,
-                                   **self._rank_sizes(rank))
+                                   stage_clocks=self._stage_clocks, **self._rank_sizes(rank))
+
+  def stage_clocks(self) -> dict:
+    """{device ordinal: {kernel: {mark: [ns per block]}}} of the latest launches
+    (cuda/stage_clock.cuh); empty unless built with JAX_MOE_STAGE_CLOCKS=1 over NVLink."""
+    module = native.load()
+    clocks = {o: module.cuda_stage_clocks(self.comm_id, o)
+              for o in getattr(self._ranks, "ordinals", [])}
+    return {o: c for o, c in clocks.items() if c is not None}
 
   def _call(self, target: str, result_types, *args):
     return jax.ffi.ffi_call(target, result_types, has_side_effect=True)(
