@@ -20,10 +20,15 @@ batched einsum; uneven: rows gathered into [G, max group, K], einsum, gathered b
 tokamax (tokamax.ragged_dot(implementation="mosaic"): tokamax's own config choice, its H100
 cache or its heuristics), auto (jax_moe.grouped_gemm.ragged_dot: the tuned config and the
 zeroed tail), and with --sweep every candidate tile config of tokamax's sm90 kernel
-("cfg ..."), the data behind grouped_gemm.SM90_CONFIGS. At decode shapes also fp8 (tokamax's
-sm90 quantized kernel on e4m3 weights with a bf16 scale per group, 128 rows of K and column,
-quantized here; checked against the bf16 weights the codes encode; target <= 0.6x the bf16
-time).
+("cfg ..."), the data behind grouped_gemm.SM90_CONFIGS. At decode shapes also fp8: the
+weights quantized here to grouped_gemm.BlockFp8Weights (DeepSeek-V3's layout: e4m3 codes, one
+f32 scale per 128x128 block), timed through jax_moe's ragged_dot ("jax_moe fp8 auto": tokamax's
+sm90 quantized kernel with f16 scales and x cast to f16, see grouped_gemm) and tokamax's own
+heuristic config; checked against lax.ragged_dot of x with the bf16-dequantized weights (and
+also, for the record, against the f32-dequantized and the original bf16 weights); target <=
+0.6x the bf16 "jax_moe auto" time. --fp8-variants also tries the operand dtypes that do not
+compile with this jax (bf16 scales, bf16 x, f32 scales) and records their errors; --sweep fp8
+times SWEEP_FP8's tile configs (the data behind grouped_gemm.SM90_FP8_CONFIGS).
 
 Writes <out>/grouped_gemm_<device>.json (after every shape) and .png, and prints the table.
 
@@ -68,6 +73,7 @@ QUICK_SHAPES = {
 METHODS = ("lax", "einsum", "tokamax", "fp8", "auto")
 DECODE_TARGET = 1.15   # x HBM floor
 PREFILL_TARGET = 0.50  # of the measured dense peak
+FP8_TARGET = 0.60      # x the bf16 time ("jax_moe auto") at decode shapes
 
 # Candidate tile configs of tokamax's sm90 kernel (pallas_mosaic_gpu.Config keywords; split_k=1
 # is added). Shared memory: num_stages * (block_m + block_n) * block_k * 2 B + the output tile
@@ -94,7 +100,26 @@ SWEEP = {
         "m64n128k128s4 persistent M-minor w1": _C(64, 128, 128, 4, True, 0, 1),
     },
 }
-for _configs in SWEEP.values():
+# tokamax's sm90 quantized kernel: block_n comes from the output dtype (grouped_gemm); block_k
+# must divide the 128-wide scale block. Shared memory per stage: block_m * 256 B of f16 x +
+# 16 KiB of fp8 codes (two 64-column halves of 128 K).
+_F = lambda m, s, p, minor=0, w=1: dict(block_m=m, block_k=128, num_stages=s, persistent=p,
+                                        grid_minor_dim=minor, grid_tile_width=w)
+SWEEP_FP8 = {
+    "fp8 m64k128s4 persistent M-minor": _F(64, 4, True),
+    "fp8 m64k128s6 persistent M-minor": _F(64, 6, True),
+    "fp8 m64k128s4 M-minor": _F(64, 4, False),
+    "fp8 m64k128s4 persistent N-minor w4": _F(64, 4, True, 1, 4),
+    "fp8 m32k128s6 persistent M-minor": _F(32, 6, True),
+    "fp8 m16k128s8 persistent M-minor": _F(16, 8, True),
+}
+FP8_VARIANTS = {  # (scale dtype, x dtype) as passed to the kernel
+    "bf16 scales, bf16 x": (jnp.bfloat16, jnp.bfloat16),
+    "f16 scales, bf16 x": (jnp.float16, jnp.bfloat16),
+    "f32 scales, f16 x": (jnp.float32, jnp.float16),
+    "bf16 scales, f16 x": (jnp.bfloat16, jnp.float16),
+}
+for _configs in [*SWEEP.values(), SWEEP_FP8]:
   for _config in _configs.values():
     _config["split_k"] = 1
 
@@ -121,21 +146,9 @@ def make_inputs(m, g, k, n, sizes, seed):
   return x, w, jnp.asarray(sizes, jnp.int32)
 
 
-def fp8_weights(w, tile_k: int = 128):
-  """w [G, K, N] bf16 -> (qwix.QArray of e4m3 codes with a bf16 scale per (group, 128 rows of
-  K, column), the bf16 weights those codes stand for). The scale layout is the one tokamax's
-  sm90 quantized kernel takes (scale tile (1, k, 1)); DeepSeek's 128x128 block scales map onto
-  it by repeating each block's scale over its 128 columns."""
-  import qwix
-  g, k, n = w.shape
-  blocks = w.astype(jnp.float32).reshape(g, k // tile_k, tile_k, n)
-  scale = (jnp.max(jnp.abs(blocks), axis=2) / 448.0).astype(jnp.bfloat16)
-  scale = jnp.where(scale > 0, scale, jnp.ones((), jnp.bfloat16))
-  scale_f32 = scale.astype(jnp.float32)[:, :, None, :]
-  q = (blocks / scale_f32).astype(jnp.float8_e4m3fn)
-  dequantized = (q.astype(jnp.float32) * scale_f32).astype(jnp.bfloat16).reshape(g, k, n)
-  return (qwix.QArray(qvalue=q.reshape(g, k, n), scale=scale, qtype=jnp.float8_e4m3fn),
-          dequantized)
+def fp8_weights(w):
+  """w [G, K, N] bf16 -> its block fp8 (DeepSeek-V3's 128x128 blocks), kernel scales set."""
+  return gg.BlockFp8Weights.quantize(w, (128, 128)).for_kernel()
 
 
 # ------------------------------------------------------------------------------- methods
@@ -161,8 +174,8 @@ def padded_einsum(sizes: np.ndarray, m: int):
   return fn
 
 
-def methods_for(kind: str, sizes: np.ndarray, m: int, k: int, n: int, wanted, sweep: bool,
-                device):
+def methods_for(kind: str, sizes: np.ndarray, m: int, k: int, n: int, wanted, sweep,
+                device, fp8_variants: bool = False):
   """[(label, family, fn(x, w, gs) -> [M, N] bf16, tile config or None, note)]."""
   out = []
   bf16 = jnp.bfloat16
@@ -184,7 +197,7 @@ def methods_for(kind: str, sizes: np.ndarray, m: int, k: int, n: int, wanted, sw
                                                       implementation="mosaic"), None, ""))
     else:
       out.append(("tokamax mosaic (its own config)", "tokamax", None, None, why_not))
-  if sweep and tokamax_ok:
+  if sweep in ("bf16", "all") and tokamax_ok:
     for name, config in SWEEP[kind].items():
       out.append((f"cfg {name}", "sweep",
                   lambda x, w, gs, c=config: gg.tokamax_ragged_dot(
@@ -196,15 +209,31 @@ def methods_for(kind: str, sizes: np.ndarray, m: int, k: int, n: int, wanted, sw
                                                        zero_tail=False),
                 gg.tuned_config(m, 128, 128, len(sizes), device), ""))
   if "fp8" in wanted and kind == "decode":
+    fp8_struct = gg.BlockFp8Weights(jax.ShapeDtypeStruct((len(sizes), n, k), jnp.float8_e4m3fn),
+                                    jax.ShapeDtypeStruct((len(sizes), -(-n // 128), k // 128),
+                                                         jnp.float32))
+    chosen = gg.implementation_for(jax.ShapeDtypeStruct((m, k), bf16), fp8_struct,
+                                   preferred_element_type=bf16, device=device)
+    out.append(("jax_moe fp8 auto", "fp8",
+                lambda x, w8, gs: gg.ragged_dot(x, w8, gs, preferred_element_type=bf16),
+                gg.tuned_fp8_config(m, len(sizes), bf16, device), f"-> {chosen[0]}: {chosen[1]}"))
     if tokamax_ok:
-      import tokamax
-      out.append(("tokamax fp8 weights (e4m3, scale per 128 K x 1 col)", "fp8",
-                  lambda x, wq, gs: tokamax.ragged_dot(x, wq, gs, preferred_element_type=bf16,
-                                                       implementation="mosaic"), None,
-                  "weights quantized in the benchmark; error against the dequantized weights"))
-    else:
-      out.append(("tokamax fp8 weights (e4m3, scale per 128 K x 1 col)", "fp8", None, None,
-                  why_not))
+      out.append(("tokamax fp8, its heuristic config", "fp8",
+                  lambda x, w8, gs: gg.tokamax_ragged_dot_fp8(x, w8, gs,
+                                                              preferred_element_type=bf16,
+                                                              config=None), None, ""))
+      if fp8_variants:
+        for name, (scale_dtype, x_dtype) in FP8_VARIANTS.items():
+          out.append((f"fp8 variant: {name}", "fp8 variant",
+                      lambda x, w8, gs, sd=scale_dtype, xd=x_dtype: gg.tokamax_ragged_dot_fp8(
+                          x, w8, gs, preferred_element_type=bf16, scale_dtype=sd, lhs_dtype=xd),
+                      None, "what tokamax's API accepts, tried"))
+      if sweep in ("fp8", "all"):
+        for name, config in SWEEP_FP8.items():
+          config = {**config, "block_n": 64}
+          out.append((name, "fp8 sweep",
+                      lambda x, w8, gs, c=config: gg.tokamax_ragged_dot_fp8(
+                          x, w8, gs, preferred_element_type=bf16, config=c), config, ""))
   if "auto" in wanted:
     chosen = gg.implementation_for(jax.ShapeDtypeStruct((m, k), bf16),
                                    jax.ShapeDtypeStruct((len(sizes), k, n), bf16),
@@ -357,7 +386,8 @@ def plot(payload: dict, path: Path) -> bool:
   if not shapes:
     return False
   colors = {"lax": "tab:orange", "einsum": "tab:gray", "tokamax": "tab:green",
-            "sweep": "tab:olive", "auto": "tab:blue"}
+            "sweep": "tab:olive", "auto": "tab:blue", "fp8": "tab:red",
+            "fp8 sweep": "tab:pink"}
   cols = min(2, len(shapes))
   rows_n = (len(shapes) + cols - 1) // cols
   fig, axes = plt.subplots(rows_n, cols, figsize=(8 * cols, 4.2 * rows_n), squeeze=False)
@@ -415,6 +445,7 @@ def table(payload: dict) -> str:
                    f"{r.get('x_hbm_floor', float('nan')):6.2f} "
                    f"{100 * r.get('frac_peak', float('nan')):6.1f}  "
                    f"ok rel_err {r['rel_err']:.1e}"
+                   + ("" if "x_bf16_auto" not in r else f" {r['x_bf16_auto']:.2f}x bf16 auto")
                    + ("" if "meets_target" not in r else
                       ("  TARGET MET" if r["meets_target"] else "  target missed")))
     else:
@@ -434,8 +465,13 @@ def parse_args(argv=None):
                  help="tiny shapes, short loops, small floors: seconds on a CPU")
   p.add_argument("--groups", choices=("equal", "uneven"), default="equal")
   p.add_argument("--methods", type=csv_list(METHODS), default=list(METHODS))
-  p.add_argument("--sweep", action="store_true",
-                 help="also time every candidate tile config of tokamax's sm90 kernel")
+  p.add_argument("--sweep", nargs="?", const="all", default=None,
+                 choices=("bf16", "fp8", "all"),
+                 help="also time every candidate tile config of tokamax's sm90 kernel (bf16), "
+                      "of its quantized kernel (fp8) or both (all, the default)")
+  p.add_argument("--fp8-variants", action="store_true",
+                 help="at the first decode shape, also try the fp8 operand dtypes that do not "
+                      "compile here (bf16 scales, bf16 x, f32 scales) and record the errors")
   p.add_argument("--iters", type=int, default=40, help="long loop length (shortened to fit "
                  "--budget-s)")
   p.add_argument("--short-iters", type=int, default=2)
@@ -506,6 +542,8 @@ def main(argv=None) -> int:
   peak, copy = best_floors()
   save()
 
+  first_decode = next((s for s in args.shapes if {**SHAPES, **QUICK_SHAPES}[s][4] == "decode"),
+                      None)
   for name in args.shapes:
     m, g, k, n, kind = {**SHAPES, **QUICK_SHAPES}[name]
     sizes = group_sizes(m, g, args.groups, args.seed)
@@ -516,10 +554,22 @@ def main(argv=None) -> int:
                                "groups": args.groups, "group_sizes": sizes.tolist(),
                                "floors": floors, "calls_per_iteration": calls,
                                "tuned_config": gg.tuned_config(m, k, n, g, device)}
-    ref = jax.jit(lambda a, b, c: jax.lax.ragged_dot(a, b, c, preferred_element_type=jnp.float32))(
-        x, w, gs)
-    for label, family, fn, config, note in methods_for(kind, sizes, m, k, n, args.methods,
-                                                       args.sweep, device):
+    f32_dot = jax.jit(lambda a, b, c: jax.lax.ragged_dot(a, b, c,
+                                                         preferred_element_type=jnp.float32))
+    ref = f32_dot(x, w, gs)
+    methods = methods_for(kind, sizes, m, k, n, args.methods, args.sweep, device,
+                          fp8_variants=args.fp8_variants and name == first_decode)
+    fp8 = None
+    if any(family.startswith("fp8") for _, family, fn, _, _ in methods if fn is not None):
+      # quantized once per shape; the reference is x times the bf16-dequantized weights
+      w8 = jax.block_until_ready(jax.jit(fp8_weights)(w))
+      fp8 = {"w8": w8, "ref": f32_dot(x, w8.dequantize(jnp.bfloat16), gs),
+             "ref_f32_weights": f32_dot(x.astype(jnp.float32), w8.dequantize(jnp.float32), gs),
+             "weight_bytes": float(w8.nbytes)}
+      payload["shapes"][name]["fp8_weight_bytes"] = fp8["weight_bytes"]
+      payload["shapes"][name]["fp8_weight_rel_err"] = relative_error(
+          w8.dequantize(jnp.float32), w.astype(jnp.float32))
+    for label, family, fn, config, note in methods:
       result = {"shape": name, "label": label, "family": family, "config": config,
                 "note": note}
       if fn is None:
@@ -527,17 +577,18 @@ def main(argv=None) -> int:
       else:
         try:
           w_arg, ref_arg = w, ref
-          if family == "fp8":  # quantized weights; checked against the weights they encode
-            w_arg, dequantized = fp8_weights(w)
-            ref_arg = jax.jit(lambda a, b, c: jax.lax.ragged_dot(
-                a, b, c, preferred_element_type=jnp.float32))(x, dequantized, gs)
-            del dequantized
-            result["weight_bytes"] = float(w.size)  # 1 byte per weight (+ scales, 1/64 of it)
-          y = jax.block_until_ready(jax.jit(fn)(x, w_arg, gs))
+          if family.startswith("fp8"):  # checked against the weights the codes encode
+            w_arg, ref_arg = fp8["w8"], fp8["ref"]
+            result["weight_bytes"] = fp8["weight_bytes"]
+          compiled = jax.jit(fn).lower(x, w_arg, gs).compile()
+          if family.startswith("fp8"):  # the codes' two transposes must cancel (no copy)
+            result["hlo_transposes"] = compiled.as_text().count(" transpose(")
+          y = jax.block_until_ready(compiled(x, w_arg, gs))
           result["rel_err"] = relative_error(y, ref_arg)
-          if family == "fp8":
+          if family.startswith("fp8"):
+            result["rel_err_vs_f32_dequantized"] = relative_error(y, fp8["ref_f32_weights"])
             result["rel_err_vs_bf16_weights"] = relative_error(y, ref)
-          del y, ref_arg
+          del y, ref_arg, compiled
           if not result["rel_err"] <= args.tolerance:
             result["status"] = f"wrong: rel_err {result['rel_err']:.3g} > {args.tolerance}"
           else:
@@ -545,11 +596,16 @@ def main(argv=None) -> int:
             result["status"] = "ok"
             grade(result, floors, kind, peak)
         except Exception as e:  # noqa: BLE001  (a config that does not compile, say)
-          result["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+          text = str(e)
+          result["status"] = f"failed: {type(e).__name__}: {text.splitlines()[0][:300]}"
+          result["error"] = text[:4000]
+          keys = ("support", "error:", "Error", "mismatch", "ptxas")
+          for line in [ln for ln in text.splitlines() if any(kk in ln for kk in keys)][:4]:
+            print(f"    {line.strip()[:400]}", flush=True)
       payload["results"].append(result)
       print(table({"results": [result]}).splitlines()[-1], flush=True)
       save()
-    del x, w, gs, ref
+    del x, w, gs, ref, fp8
   # floors again after the GEMMs (clocks are up by now); every shape is graded against the
   # highest peak and copy bandwidth of the two measurements
   measure_floors("end", warm_up_s=0.0)
@@ -563,16 +619,23 @@ def main(argv=None) -> int:
       grade(result, info["floors"], info["kind"], peak)
   for name in payload["shapes"]:
     mine = [r for r in payload["results"] if r["shape"] == name and r["status"] == "ok"]
+    auto = [r["time"]["median_us"] for r in mine if r["family"] == "auto"]
     bf16 = [r["time"]["median_us"] for r in mine if r["family"] in ("tokamax", "auto")]
     for r in mine:
-      if r["family"] == "fp8" and copy:  # its own HBM floor: 1-byte weights
-        info = payload["shapes"][name]
-        r["hbm_floor_us_fp8"] = (info["floors"]["bytes"] - r["weight_bytes"]) / (
-            copy["tb_per_s"] * 1e6)
+      if not r["family"].startswith("fp8"):
+        continue
+      info = payload["shapes"][name]
+      if copy:  # its own HBM floor: x, 1-byte codes + scales, out
+        fp8_bytes = info["floors"]["bytes"] - 2.0 * info["g"] * info["k"] * info["n"] \
+            + r["weight_bytes"]
+        r["hbm_floor_us_fp8"] = fp8_bytes / (copy["tb_per_s"] * 1e6)
         r["x_hbm_floor"] = r["time"]["median_us"] / r["hbm_floor_us_fp8"]
-      if r["family"] == "fp8" and bf16:
+      r.pop("meets_target", None)
+      if bf16:
         r["x_best_bf16_tokamax"] = r["time"]["median_us"] / min(bf16)
-        r["meets_fp8_target"] = r["x_best_bf16_tokamax"] <= 0.6
+      if auto:  # issue 20's fp8 target: <= 0.6x the bf16 time of jax_moe's ragged_dot
+        r["x_bf16_auto"] = r["time"]["median_us"] / min(auto)
+        r["meets_target"] = r["meets_fp8_target"] = r["x_bf16_auto"] <= FP8_TARGET
   payload["elapsed_s"] = time.perf_counter() - started
   save()
   png = out_json.with_suffix(".png")

@@ -32,13 +32,31 @@ one select over the output (it fuses into the consumer where XLA can; standing a
 not zeroed" in benchmarks/bench_grouped_gemm.py). Accuracy against lax.ragged_dot: both
 accumulate in f32; bf16 outputs differ by at most one bf16 ulp of the result (measured
 relative Frobenius error 1.7e-3), f32 outputs by the f32 summation order (tested on an H200
-in tests/test_grouped_gemm.py). fp8 weights are not supported here: tokamax 0.0.17's sm90
-quantized kernel did not compile for e4m3 weights with bf16 scales on the H200 (no
-f8E4M3FN -> bf16 conversion in that ptxas).
+in tests/test_grouped_gemm.py).
+
+fp8 weights (`BlockFp8Weights`: DeepSeek-V3's e4m3 codes with one f32 scale per 128x128
+block) go through the same `ragged_dot`:
+
+  w8 = grouped_gemm.BlockFp8Weights(codes_gnk, scale_inv)  # the checkpoint's [out, in] layout
+  w8 = w8.for_kernel()        # once, at load time: the kernel's scale layout (else per call)
+  y = grouped_gemm.ragged_dot(x, w8, group_sizes)          # x [M, K] -> [M, N]
+
+Its reference is `lax.ragged_dot(x, w8.dequantize(x.dtype), group_sizes)` (the weights
+dequantized in f32, then rounded to x's dtype), which is also the "lax" path. The "tokamax"
+path is tokamax's sm90 quantized kernel (fp8 codes read from HBM, dequantized in registers,
+wgmma, f32 accumulation), used in the one form this jax/ptxas compiles: tokamax converts the
+codes to the scales' dtype and multiplies in the wgmma's input dtype, and the ptxas bundled
+with jaxlib 0.11.2 converts e4m3 to f16 only (not bf16), so the scales go in as f16 and x is
+cast to f16 for the kernel (exact for bf16 values of magnitude 6.1e-5 .. 65504; larger ones
+overflow). The f16 scales are the block scales spread over their columns ([G, K/128, N]) and
+multiplied by a power of two that puts the largest at [64, 128) (f16 keeps them normal;
+undone exactly on the f32 accumulator's result). Conditions for "auto" to take it: those of
+the bf16 path, x bf16 or f16, the K block a multiple of 128 dividing K, N % 64 == 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -71,9 +89,10 @@ def _tokamax():
   try:
     import tokamax
     from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu
+    from qwix import QArray  # tokamax's quantized-array type (a dependency of tokamax)
   except ImportError as e:  # not installed, or a dependency of it missing
     return None, f"tokamax does not import: {type(e).__name__}: {e}"
-  return (tokamax, pallas_mosaic_gpu), None
+  return (tokamax, pallas_mosaic_gpu, QArray), None
 
 
 def tokamax_status() -> tuple[bool, str]:
@@ -109,11 +128,14 @@ def _is_default_precision(precision) -> bool:
 
 
 def _check_arguments(lhs, rhs, group_sizes, preferred_element_type, implementation):
-  """Shapes and dtypes, with errors that name the argument (before any tracing)."""
+  """Shapes and dtypes, with errors that name the argument (before any tracing). rhs: an
+  array [G, K, N] or a BlockFp8Weights (checked when it was made; its logical shape here)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"ragged_dot: implementation must be one of {IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
-  for name, value, rank in (("lhs", lhs, 2), ("rhs", rhs, 3), ("group_sizes", group_sizes, 1)):
+  fp8 = isinstance(rhs, BlockFp8Weights)
+  arrays = [("lhs", lhs, 2), ("group_sizes", group_sizes, 1)] + ([] if fp8 else [("rhs", rhs, 3)])
+  for name, value, rank in arrays:
     shape = getattr(value, "shape", None)
     if shape is None or getattr(value, "dtype", None) is None:
       raise TypeError(f"ragged_dot: {name} must be an array, got {type(value).__name__}")
@@ -129,7 +151,7 @@ def _check_arguments(lhs, rhs, group_sizes, preferred_element_type, implementati
   if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
     raise TypeError(f"ragged_dot: group_sizes must have an integer dtype, got "
                     f"{group_sizes.dtype}")
-  for name, value in (("lhs", lhs), ("rhs", rhs)):
+  for name, value in [("lhs", lhs)] + ([] if fp8 else [("rhs", rhs)]):
     if not jnp.issubdtype(value.dtype, jnp.inexact):
       raise TypeError(f"ragged_dot: {name} must have a floating dtype, got {value.dtype}")
   if preferred_element_type is not None:
@@ -141,14 +163,18 @@ def _check_arguments(lhs, rhs, group_sizes, preferred_element_type, implementati
 
 
 def _tokamax_blocker(lhs, rhs, precision, preferred_element_type, device) -> str | None:
-  """Why the tokamax kernel does not apply to this call (None when it does)."""
+  """Why the tokamax kernel (rhs an array) or its sm90 quantized kernel (rhs a
+  BlockFp8Weights) does not apply to this call (None when it does)."""
   available, reason = tokamax_status()
   if not available:
     return reason
   if not _is_hopper(device):
     return (f"the default device is {device.device_kind} ({device.platform}), not a Hopper "
             "GPU (compute capability 9.x)")
-  if lhs.dtype != rhs.dtype or jnp.dtype(lhs.dtype) not in _TOKAMAX_INPUT_DTYPES:
+  fp8 = isinstance(rhs, BlockFp8Weights)
+  if fp8 and jnp.dtype(lhs.dtype) not in _TOKAMAX_INPUT_DTYPES:
+    return f"lhs {lhs.dtype} is not bf16 or f16 (the kernel takes x as f16)"
+  if not fp8 and (lhs.dtype != rhs.dtype or jnp.dtype(lhs.dtype) not in _TOKAMAX_INPUT_DTYPES):
     return f"lhs {lhs.dtype} and rhs {rhs.dtype} are not both bf16 or both f16"
   if (preferred_element_type is not None
       and jnp.dtype(preferred_element_type) not in _TOKAMAX_OUTPUT_DTYPES):
@@ -156,8 +182,12 @@ def _tokamax_blocker(lhs, rhs, precision, preferred_element_type, device) -> str
   if not _is_default_precision(precision):
     return f"precision {precision!r} is not DEFAULT"
   k, n = rhs.shape[1], rhs.shape[2]
-  if k % 128 or n % 64:
-    return f"K={k} is not a multiple of 128 or N={n} not a multiple of 64 (kernel tiles)"
+  if fp8 and (rhs.block[1] % 128 or k % rhs.block[1]):
+    return f"the K block {rhs.block[1]} is not a multiple of 128 dividing K={k} (kernel K steps)"
+  if not fp8 and k % 128:
+    return f"K={k} is not a multiple of 128 (kernel tiles)"
+  if n % 64:
+    return f"N={n} is not a multiple of 64 (kernel tiles)"
   return None
 
 
@@ -165,7 +195,8 @@ def implementation_for(lhs, rhs, group_sizes=None, *, precision=None,
                        preferred_element_type=None, implementation: str = "auto",
                        device=None) -> tuple[str, str]:
   """(implementation, reason): what `ragged_dot` runs for these arguments (arrays or
-  jax.ShapeDtypeStruct) on `device` (the default device when None)."""
+  jax.ShapeDtypeStruct; rhs also a BlockFp8Weights) on `device` (the default device when
+  None)."""
   device = device or _default_device()
   if implementation == "lax":
     return "lax", "requested"
@@ -175,7 +206,8 @@ def implementation_for(lhs, rhs, group_sizes=None, *, precision=None,
       raise ValueError(f"ragged_dot: implementation='tokamax' does not apply: {blocker}")
     return "tokamax", "requested"
   if blocker is None:
-    return "tokamax", f"{tokamax_status()[1]} Mosaic GPU kernel on {device.device_kind}"
+    kernel = "sm90 quantized kernel" if isinstance(rhs, BlockFp8Weights) else "Mosaic GPU kernel"
+    return "tokamax", f"{tokamax_status()[1]} {kernel} on {device.device_kind}"
   return "lax", blocker
 
 
@@ -260,10 +292,15 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
                implementation: str = "auto"):
   """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` on the fastest kernel that applies.
 
-  lhs [M, K], rhs [G, K, N], group_sizes [G] integer -> [M, N] (module docstring: semantics,
-  the implementations and when "auto" takes which). Works inside jit, shard_map and vmap-free
+  lhs [M, K], rhs [G, K, N] (an array, or a BlockFp8Weights of that logical shape),
+  group_sizes [G] integer -> [M, N] (module docstring: semantics, the implementations and
+  when "auto" takes which). Works inside jit, shard_map and vmap-free
   code; the choice is made at trace time from shapes, dtypes and the default device.
   """
+  if isinstance(rhs, BlockFp8Weights):
+    return _ragged_dot_fp8(lhs, rhs, group_sizes, precision=precision,
+                           preferred_element_type=preferred_element_type,
+                           implementation=implementation)
   _check_arguments(lhs, rhs, group_sizes, preferred_element_type, implementation)
   chosen, _ = implementation_for(lhs, rhs, group_sizes, precision=precision,
                                  preferred_element_type=preferred_element_type,
@@ -272,6 +309,196 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
                               preferred_element_type=preferred_element_type)
   return tokamax_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+
+
+# ------------------------------------------------------------------------- fp8 weights
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_KERNEL_SCALE_TOP = 7  # the largest kernel scale lies in [2^6, 2^7): codes * scale < 57344
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("codes", "scales", "kernel_scales", "kernel_unit"),
+                   meta_fields=("block",))
+@dataclasses.dataclass(frozen=True)
+class BlockFp8Weights:
+  """Grouped weights w [G, K, N] as e4m3 codes with one f32 scale per block (DeepSeek-V3).
+
+  codes   [G, N, K] float8_e4m3fn: each group's weight as the checkpoint stores a linear
+          layer's, [out, in] (also the layout tokamax's kernel reads).
+  scales  [G, ceil(N/bn), ceil(K/bk)] float32: the checkpoint's `weight_scale_inv`; the
+          weight is codes * the scale of its block (partial last blocks allowed).
+  block   (bn, bk), the block's (out, in) size: (128, 128) in DeepSeek-V3.
+  kernel_scales, kernel_unit: the kernel's operands, set by `for_kernel()` (None until
+          then, and the tokamax path then builds them in every call): scales spread over
+          their columns, [G, ceil(K/bk), N] f16, times 1/kernel_unit (a power of two, f32).
+
+  A pytree (the arrays are leaves, `block` static): passes through jit and shard_map.
+  """
+  codes: Any
+  scales: Any
+  block: tuple[int, int] = (128, 128)
+  kernel_scales: Any = None
+  kernel_unit: Any = None
+
+  def __post_init__(self):
+    block = tuple(int(b) for b in self.block)
+    object.__setattr__(self, "block", block)
+    codes, scales = self.codes, self.scales
+    if not hasattr(codes, "shape") or not hasattr(scales, "shape"):
+      return  # a pytree placeholder (jax builds these while flattening), not weights
+    if len(block) != 2 or min(block) < 1:
+      raise ValueError(f"BlockFp8Weights: block must be two positive ints, got {self.block}")
+    if len(codes.shape) != 3:
+      raise ValueError(f"BlockFp8Weights: codes must be [G, N, K], got shape {codes.shape}")
+    if jnp.dtype(codes.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+      raise TypeError(f"BlockFp8Weights: codes must be float8_e4m3fn, got {codes.dtype}")
+    g, n, k = codes.shape
+    want = (g, -(-n // block[0]), -(-k // block[1]))
+    if tuple(scales.shape) != want:
+      raise ValueError(f"BlockFp8Weights: scales must have shape {want} for codes "
+                       f"{tuple(codes.shape)} and block {block}, got {tuple(scales.shape)}")
+
+  # array-like: the logical rhs [G, K, N]
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    g, n, k = self.codes.shape
+    return (g, k, n)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes in HBM: codes, block scales and (when set) the kernel scales."""
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+               for a in (self.codes, self.scales, self.kernel_scales) if a is not None)
+
+  @classmethod
+  def quantize(cls, w, block: tuple[int, int] = (128, 128)) -> "BlockFp8Weights":
+    """Block-fp8 of w [G, K, N] as DeepSeek's quantizer makes it: per (bn out, bk in) block,
+    scale = amax / 448 (1 for an all-zero block), codes = w / scale rounded to e4m3."""
+    bn, bk = block
+    w = jnp.swapaxes(jnp.asarray(w, jnp.float32), 1, 2)  # [G, N, K]
+    g, n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = jnp.pad(w, ((0, 0), (0, nb * bn - n), (0, kb * bk - k)))
+    blocks = padded.reshape(g, nb, bn, kb, bk)
+    scales = jnp.max(jnp.abs(blocks), axis=(2, 4)) / FP8_MAX
+    scales = jnp.where(scales > 0, scales, 1.0)
+    spread = _spread(scales, block, n, k)
+    codes = (w / spread).astype(jnp.float8_e4m3fn)
+    return cls(codes, scales, tuple(block))
+
+  def dequantize(self, dtype=jnp.bfloat16):
+    """w [G, K, N] in `dtype`: codes * scale formed in f32, then rounded to `dtype`."""
+    g, n, k = self.codes.shape
+    w = self.codes.astype(jnp.float32) * _spread(self.scales.astype(jnp.float32), self.block,
+                                                 n, k)
+    return jnp.swapaxes(w.astype(dtype), 1, 2)
+
+  def for_kernel(self) -> "BlockFp8Weights":
+    """The same weights with the tokamax kernel's scale operands set (do it once, at load
+    time; costs 2 bytes per bk codes of HBM, 1/64 of the codes at bk = 128)."""
+    scales, unit = kernel_scales(self.scales, self.block, self.codes.shape[1])
+    return dataclasses.replace(self, kernel_scales=scales, kernel_unit=unit)
+
+
+def _spread(scales, block, n: int, k: int):
+  """[G, nb, kb] block scales -> [G, n, k], each block's scale over its elements."""
+  bn, bk = block
+  return jnp.repeat(jnp.repeat(scales, bn, axis=1), bk, axis=2)[:, :n, :k]
+
+
+def kernel_scales(scales, block, n: int):
+  """(kernel_scales [G, kb, n] f16, unit f32): the block scales [G, nb, kb] over their
+  columns, times 2^p with p such that the largest lies in [64, 128) -- so f16 holds them as
+  normal numbers and codes * scale (|codes| <= 448) stays finite in f16 -- and unit = 2^-p,
+  by which the kernel's f32 accumulator is multiplied back (exactly)."""
+  scales = jnp.asarray(scales, jnp.float32)
+  _, exponent = jnp.frexp(jnp.max(jnp.abs(scales)))  # max = m * 2^e, m in [0.5, 1)
+  shift = _KERNEL_SCALE_TOP - exponent
+  spread = jnp.repeat(jnp.swapaxes(scales, 1, 2), block[0], axis=2)[:, :, :n]
+  return (jnp.ldexp(spread, shift).astype(jnp.float16),
+          jnp.ldexp(jnp.float32(1.0), -shift))
+
+
+# Tile configs for tokamax's sm90 quantized kernel ("decode"/"prefill" as SM90_CONFIGS).
+# block_n is set per call from the output dtype (the kernel wants one 128-byte swizzle row of
+# output per tile: 64 for bf16, 32 for f32); block_k must divide the K block.
+SM90_FP8_CONFIGS: dict[str, dict[str, Any]] = {
+    "decode": dict(block_m=64, block_k=128, num_stages=4, split_k=1, persistent=True,
+                   grid_minor_dim=0, grid_tile_width=1),
+    "prefill": dict(block_m=64, block_k=128, num_stages=4, split_k=1, persistent=True,
+                    grid_minor_dim=0, grid_tile_width=1),
+}
+
+
+def tuned_fp8_config(m: int, g: int, out_dtype, device=None) -> dict[str, Any] | None:
+  device = device or _default_device()
+  if not _is_hopper(device):
+    return None
+  config = dict(SM90_FP8_CONFIGS[_shape_class(m, g)])
+  config["block_n"] = 128 // jnp.dtype(out_dtype).itemsize
+  return config
+
+
+def _fp8_kernel_out_dtype(out_dtype):
+  """The kernel's output: bf16 for bf16 results, else f32 (an f16 output could overflow
+  before the power-of-two unit is applied)."""
+  return jnp.dtype(jnp.bfloat16) if out_dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)
+
+
+def tokamax_ragged_dot_fp8(lhs, rhs: BlockFp8Weights, group_sizes, *,
+                           preferred_element_type=None,
+                           config: dict[str, Any] | None | str = "tuned",
+                           zero_tail: bool = True, scale_dtype=jnp.float16,
+                           lhs_dtype=jnp.float16):
+  """The tokamax fp8 path of `ragged_dot` without its checks. `config`: "tuned" (this
+  module's table), None (tokamax's heuristic) or Config keyword arguments. `scale_dtype` and
+  `lhs_dtype` are the kernel's operand dtypes: f16/f16 is the form that compiles with this
+  ptxas; others are for the benchmark's record of what does not (they skip the power-of-two
+  unit: the scales are passed as they are, cast)."""
+  m, g = lhs.shape[0], rhs.shape[0]
+  n = rhs.shape[2]
+  out_dtype = (jnp.dtype(preferred_element_type) if preferred_element_type is not None
+               else jnp.dtype(lhs.dtype))
+  kernel_out = _fp8_kernel_out_dtype(out_dtype)
+  if isinstance(config, str):
+    config = tuned_fp8_config(m, g, kernel_out)
+  if jnp.dtype(scale_dtype) == jnp.float16:
+    scales, unit = ((rhs.kernel_scales, rhs.kernel_unit) if rhs.kernel_scales is not None
+                    else kernel_scales(rhs.scales, rhs.block, n))
+  else:
+    scales = jnp.repeat(jnp.swapaxes(rhs.scales, 1, 2), rhs.block[0], axis=2)[:, :, :n]
+    scales, unit = scales.astype(scale_dtype), None
+  mods, reason = _tokamax()
+  if mods is None:
+    raise ValueError(f"ragged_dot: tokamax is not available: {reason}")
+  tokamax, _, qarray = mods
+  # the kernel reads codes as [G, N, K] and takes them as the transpose of a [G, K, N] array:
+  # the two transposes cancel in XLA
+  weights = qarray(qvalue=jnp.swapaxes(rhs.codes, 1, 2), scale=scales,
+                   qtype=jnp.float8_e4m3fn)
+  sizes, total = clamp_group_sizes(group_sizes, m)
+  out = tokamax.ragged_dot(lhs.astype(lhs_dtype), weights, sizes,
+                           preferred_element_type=kernel_out,
+                           implementation=[tokamax_op(config)])
+  if unit is not None:
+    out = out.astype(jnp.float32) * unit
+  if zero_tail:
+    rows = jax.lax.broadcasted_iota(jnp.int32, (m, 1), 0)
+    out = jnp.where(rows < total, out, jnp.zeros((), out.dtype))
+  return out.astype(out_dtype)
+
+
+def _ragged_dot_fp8(lhs, rhs, group_sizes, *, precision, preferred_element_type,
+                    implementation):
+  _check_arguments(lhs, rhs, group_sizes, preferred_element_type, implementation)
+  chosen, _ = implementation_for(lhs, rhs, group_sizes, precision=precision,
+                                 preferred_element_type=preferred_element_type,
+                                 implementation=implementation)
+  if chosen == "lax":
+    return jax.lax.ragged_dot(lhs, rhs.dequantize(lhs.dtype), group_sizes, precision=precision,
+                              preferred_element_type=preferred_element_type)
+  return tokamax_ragged_dot_fp8(lhs, rhs, group_sizes,
+                                preferred_element_type=preferred_element_type)
 
 
 def reference_ragged_dot(lhs, rhs, group_sizes) -> np.ndarray:

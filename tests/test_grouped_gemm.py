@@ -9,6 +9,11 @@ where the real one leaves uninitialised memory.
 GPU (marked `gpu`, skipped without CUDA; also skipped where tokamax does not import): the
 tokamax Mosaic GPU path against lax.ragged_dot on the GPU for the same group patterns, bf16
 and f32 outputs, every tuned config, inside jit and shard_map, and the models' expert layer.
+fp8 weights (BlockFp8Weights, DeepSeek-V3's block layout): on CPU, quantize/dequantize against
+jax_moe.models.fp8_weights' numpy dequantization (partial blocks too), the "lax" path bit for bit
+against lax.ragged_dot with the dequantized weights, the kernel's scale operands, and the tokamax
+wrapper on a stand-in kernel; on the GPU, tokamax's sm90 quantized kernel against lax.ragged_dot
+of x with the bf16-dequantized weights, for the same group patterns and every fp8 config.
 Tolerance for bf16 inputs: both accumulate in f32, so the difference is the f32 summation
 order (K * 2^-24 * sum|x*w| per element) plus, for bf16 outputs, one bf16 ulp (at most 2^-7
 relative: the two roundings of nearly equal f32 values may land one ulp apart).
@@ -182,9 +187,19 @@ def stand_in_kernel(monkeypatch):
         except jax.errors.TracerArrayConversionError:  # inside jit
             recorded = None
         calls.append((recorded, implementation[0].config))
+        if isinstance(rhs, FakeQArray):  # the quantized kernel: codes * scale of their K tile
+            calls[-1] += (dict(lhs=lhs.dtype, qvalue=rhs.qvalue.shape, scale=rhs.scale.dtype,
+                               scale_shape=rhs.scale.shape, out=preferred_element_type),)
+            tile_k = rhs.qvalue.shape[1] // rhs.scale.shape[1]
+            rhs = (rhs.qvalue.astype(jnp.float32)
+                   * jnp.repeat(rhs.scale.astype(jnp.float32), tile_k, axis=1)).astype(lhs.dtype)
         out = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=preferred_element_type)
         rows = jnp.arange(lhs.shape[0])[:, None]
         return jnp.where(rows < jnp.sum(sizes), out, jnp.nan).astype(out.dtype)
+
+    class FakeQArray:
+        def __init__(self, qvalue, scale, qtype):
+            self.qvalue, self.scale, self.qtype = qvalue, scale, qtype
 
     class FakeOp:
         def __init__(self, config=None):
@@ -194,7 +209,7 @@ def stand_in_kernel(monkeypatch):
         PallasMosaicGpuRaggedDot=FakeOp, Config=lambda **kw: kw,
         common=types.SimpleNamespace(MatmulDimension=int))
     fake_tokamax = types.SimpleNamespace(ragged_dot=fake_ragged_dot, __version__="stand-in")
-    monkeypatch.setattr(gg, "_tokamax", lambda: ((fake_tokamax, fake_pmg), None))
+    monkeypatch.setattr(gg, "_tokamax", lambda: ((fake_tokamax, fake_pmg, FakeQArray), None))
     monkeypatch.setattr(gg, "_is_hopper", lambda device: True)
     return calls
 
@@ -233,6 +248,144 @@ def test_tokamax_wrapper_dispatch_rule(rng, stand_in_kernel):
     assert gg.implementation_for(x, w)[0] == "tokamax"
     gg.ragged_dot(x, w, gs)
     assert stand_in_kernel[-1][1] == gg.tuned_config(m, 128, 64, len(sizes))
+
+
+# ---------------------------------------------------------------------- CPU: fp8 weights
+def _fp8_inputs(rng, m, sizes, k=256, n=192, block=(128, 128), dtype=jnp.bfloat16):
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = rng.standard_normal((len(sizes), k, n)) / np.sqrt(k)
+    w *= np.exp(rng.uniform(-3, 1, (len(sizes), 1, n)))  # blocks of very different sizes
+    w8 = gg.BlockFp8Weights.quantize(jnp.asarray(w, jnp.float32), block)
+    return x, w, w8, jnp.asarray(sizes, jnp.int32)
+
+
+@pytest.mark.parametrize("k,n,block", [(256, 192, (128, 128)), (200, 72, (128, 128)),
+                                       (96, 40, (16, 32))])
+def test_fp8_quantize_dequantize_match_the_checkpoint_format(rng, k, n, block):
+    """Codes [G, N, K] with [G, ceil(N/bn), ceil(K/bk)] f32 scales dequantize like
+    models/fp8_weights.py's numpy dequantization of each expert's [out, in] weight."""
+    from jax_moe.models.fp8_weights import dequantize_block_fp8
+    _, w, w8, _ = _fp8_inputs(rng, 4, [4, 0, 0], k=k, n=n, block=block)
+    assert w8.codes.shape == (3, n, k) and w8.codes.dtype == jnp.float8_e4m3fn
+    assert w8.scales.shape == (3, -(-n // block[0]), -(-k // block[1])) and w8.shape == (3, k, n)
+    got = np.asarray(w8.dequantize(jnp.float32))
+    for e in range(3):
+        want = dequantize_block_fp8(np.asarray(w8.codes[e]), np.asarray(w8.scales[e]), block)
+        np.testing.assert_array_equal(got[e], want.T)
+    # e4m3 keeps 3 mantissa bits: at most 2^-4 relative per element, about 2.5% overall
+    err = np.linalg.norm(got - w) / np.linalg.norm(w)
+    assert err < 0.04, err
+    assert np.asarray(jnp.abs(w8.codes.astype(jnp.float32))).max() <= gg.FP8_MAX
+
+
+def test_fp8_weights_check_their_shapes():
+    codes = jnp.zeros((2, 64, 256), jnp.float8_e4m3fn)
+    gg.BlockFp8Weights(codes, jnp.ones((2, 1, 2), jnp.float32))
+    with pytest.raises(ValueError, match="scales must have shape"):
+        gg.BlockFp8Weights(codes, jnp.ones((2, 2, 1), jnp.float32))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        gg.BlockFp8Weights(codes.astype(jnp.bfloat16), jnp.ones((2, 1, 2), jnp.float32))
+    with pytest.raises(ValueError, match=r"codes must be \[G, N, K\]"):
+        gg.BlockFp8Weights(codes[0], jnp.ones((1, 2), jnp.float32))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fp8_lax_path_is_lax_ragged_dot_of_the_dequantized_weights(rng, case):
+    m, sizes = CASES[case]
+    x, _, w8, gs = _fp8_inputs(rng, m, sizes)
+    for impl in ("auto", "lax"):
+        got = gg.ragged_dot(x, w8, gs, preferred_element_type=jnp.float32, implementation=impl)
+        want = jax.lax.ragged_dot(x, w8.dequantize(jnp.bfloat16), gs,
+                                  preferred_element_type=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.asarray(got)[min(sum(sizes), m):].any()
+    got = jax.jit(gg.ragged_dot)(x, w8.for_kernel(), gs)  # a pytree through jit; dtype of x
+    assert got.dtype == jnp.bfloat16 and got.shape == (m, 192)
+
+
+def test_fp8_kernel_scales(rng):
+    """The kernel's f16 scales: block scales over their columns, times 2^p with the largest in
+    [64, 128); times the unit they give the block scales back to f16's rounding."""
+    _, _, w8, _ = _fp8_inputs(rng, 4, [4, 0], k=256, n=200)
+    w8 = w8.for_kernel()
+    scales, unit = np.asarray(w8.kernel_scales, np.float64), float(w8.kernel_unit)
+    assert w8.kernel_scales.dtype == jnp.float16 and scales.shape == (2, 2, 200)
+    assert 64 <= scales.max() < 128 and np.log2(unit) == int(np.log2(unit))
+    want = np.repeat(np.asarray(w8.scales, np.float64).transpose(0, 2, 1), 128, axis=2)[..., :200]
+    np.testing.assert_allclose(scales * unit, want, rtol=2.0 ** -11)
+    assert np.isfinite(scales * gg.FP8_MAX).all() and (scales * gg.FP8_MAX).max() < 65504
+    assert w8.nbytes == 2 * 200 * 256 + 2 * 2 * 2 * 4 + 2 * 2 * 200 * 2
+
+
+def test_fp8_bad_arguments(rng):
+    x, _, w8, gs = _fp8_inputs(rng, *CASES["uneven"])
+    with pytest.raises(ValueError, match="contraction size K"):
+        gg.ragged_dot(x[:, :128], w8, gs)
+    with pytest.raises(ValueError, match="one entry per group"):
+        gg.ragged_dot(x, w8, gs[:2])
+    with pytest.raises(TypeError, match="integer"):
+        gg.ragged_dot(x, w8, gs.astype(jnp.float32))
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        gg.ragged_dot(x, w8, gs, implementation="cutlass")
+
+
+@pytest.mark.parametrize("case", ["uneven", "empty", "short", "over", "all_empty"])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+def test_fp8_tokamax_wrapper_on_a_stand_in_kernel(rng, stand_in_kernel, case, out_dtype):
+    """The wrapper hands the kernel f16 x, codes as a [G, K, N] transpose, f16 scales [G, K/128,
+    N] times 2^p, clamped sizes and a block_n of one 128-byte output row; it undoes 2^p and
+    zeroes the rows past the groups."""
+    m, sizes = CASES[case]
+    x, _, w8, gs = _fp8_inputs(rng, m, sizes)
+    assert gg.implementation_for(x, w8)[0] == "tokamax"
+    for weights in (w8, w8.for_kernel()):
+        got = gg.ragged_dot(x, weights, gs, preferred_element_type=out_dtype)
+        passed_sizes, config, operands = stand_in_kernel[-1]
+        assert sum(passed_sizes) == min(sum(sizes), m)
+        kernel_out = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
+        assert operands == dict(lhs=jnp.float16, qvalue=(len(sizes), 256, 192),
+                                scale=jnp.float16, scale_shape=(len(sizes), 2, 192),
+                                out=kernel_out)
+        assert config == gg.tuned_fp8_config(m, len(sizes), kernel_out)
+        assert config["block_n"] == 128 // jnp.dtype(kernel_out).itemsize
+        want = jax.lax.ragged_dot(x, w8.dequantize(jnp.bfloat16), gs,
+                                  preferred_element_type=jnp.float32)
+        assert got.dtype == out_dtype
+        _assert_fp8_close(got, want, x, w8, sizes, out_dtype)
+        assert not np.asarray(got, np.float32)[min(sum(sizes), m):].any()
+
+
+def test_fp8_dispatch_rule(rng, stand_in_kernel):
+    x, _, w8, gs = _fp8_inputs(rng, *CASES["uneven"])
+    assert gg.implementation_for(x, w8)[0] == "tokamax"
+    assert gg.implementation_for(x.astype(jnp.float16), w8)[0] == "tokamax"
+    assert gg.implementation_for(x.astype(jnp.float32), w8)[0] == "lax"
+    assert gg.implementation_for(x, w8, precision=jax.lax.Precision.HIGHEST)[0] == "lax"
+    _, _, small_blocks, _ = _fp8_inputs(rng, 8, [8], k=256, n=192, block=(128, 64))
+    assert gg.implementation_for(x, small_blocks)[0] == "lax"             # K block % 128
+    _, _, odd_n, _ = _fp8_inputs(rng, 8, [8], k=256, n=72)
+    assert gg.implementation_for(x, odd_n)[0] == "lax"                    # N % 64
+    _, _, odd_k, _ = _fp8_inputs(rng, 8, [8], k=200, n=192)
+    assert gg.implementation_for(x[:, :200], odd_k)[0] == "lax"           # K % block
+    assert gg.implementation_for(x, w8, implementation="lax")[0] == "lax"
+    with pytest.raises(ValueError, match="does not apply"):
+        gg.implementation_for(x.astype(jnp.float32), w8, implementation="tokamax")
+
+
+def _assert_fp8_close(got, want, x, w8, sizes, out_dtype):
+    """got (the kernel: f16 x, weights codes * f16 scale in f16) against x times the
+    bf16-dequantized weights: their weights differ by the bf16 rounding (2^-9 relative) plus
+    the f16 roundings of scale and product (2 * 2^-11), so |got - want| <= 2^-8 * sum|x*w|
+    (with room), plus one bf16/f16 ulp of the result for 16-bit outputs."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    magnitude = gg.reference_ragged_dot(np.abs(np.asarray(x, np.float64)),
+                                        np.abs(np.asarray(w8.dequantize(jnp.float32),
+                                                          np.float64)), sizes)
+    bound = 2.0 ** -8 * magnitude + 1e-30
+    if jnp.dtype(out_dtype) != jnp.float32:
+        bound = bound + 2.0 ** -7 * np.abs(want)
+    excess = np.abs(got - want) - bound
+    assert (excess <= 0).all(), f"max excess {excess.max():.3g}"
 
 
 # ----------------------------------------------------------------------------------- GPU
@@ -294,6 +447,47 @@ def test_gpu_every_tuned_config_matches_lax(rng, config_name):
         got = jax.jit(lambda a, b, c: gg.tokamax_ragged_dot(a, b, c, config=config))(x, w, gs)
         want = jax.lax.ragged_dot(x, w, gs)
         _assert_close(got, want, x, w, sizes, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_fp8_matches_the_dequantized_reference(rng, case, out_dtype):
+    """tokamax's sm90 quantized kernel (fp8 codes in HBM) against lax.ragged_dot of x with the
+    bf16-dequantized weights: uneven and empty groups, sum < M, sum > M, decode-sized groups."""
+    _needs_tokamax()
+    m, sizes = GPU_CASES[case]
+    x, _, w8, gs = _fp8_inputs(rng, m, sizes, k=512, n=256)
+    assert gg.implementation_for(x, w8, preferred_element_type=out_dtype)[0] == "tokamax"
+    want = jax.jit(lambda a, b, c: jax.lax.ragged_dot(a, b.dequantize(jnp.bfloat16), c,
+                                                      preferred_element_type=jnp.float32))(
+        x, w8, gs)
+    for weights in (w8, w8.for_kernel()):
+        got = jax.jit(lambda a, b, c: gg.ragged_dot(a, b, c, preferred_element_type=out_dtype))(
+            x, weights, gs)
+        assert got.dtype == out_dtype
+        _assert_fp8_close(got, want, x, w8, sizes, out_dtype)
+        assert not np.asarray(got, np.float32)[min(sum(sizes), m):].any()
+        err = np.linalg.norm(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+        print(f"fp8 {case} {jnp.dtype(out_dtype).name}: relative error "
+              f"{err / np.linalg.norm(np.asarray(want, np.float64)):.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config_name", ["heuristics", *sorted(gg.SM90_FP8_CONFIGS)])
+def test_gpu_every_fp8_config_matches(rng, config_name):
+    _needs_tokamax()
+    for case in ("uneven", "short"):
+        m, sizes = GPU_CASES[case]
+        x, _, w8, gs = _fp8_inputs(rng, m, sizes, k=512, n=256)
+        config = None
+        if config_name != "heuristics":
+            config = {**gg.SM90_FP8_CONFIGS[config_name], "block_n": 64}
+        got = jax.jit(lambda a, b, c: gg.tokamax_ragged_dot_fp8(
+            a, b, c, preferred_element_type=jnp.bfloat16, config=config))(x, w8.for_kernel(), gs)
+        want = jax.lax.ragged_dot(x, w8.dequantize(jnp.bfloat16), gs,
+                                  preferred_element_type=jnp.float32)
+        _assert_fp8_close(got, want, x, w8, sizes, jnp.bfloat16)
 
 
 @pytest.mark.gpu
