@@ -57,13 +57,14 @@ constexpr int kRouteUnroll = 8;  // slots per lane loaded at once by the route p
 // warps [0, route_warps) count). Slots are j = t * K + k over the ntok tokens given; the part
 // takes a contiguous range of them, each warp a contiguous piece of that:
 // (a) every warp counts its hits per global expert into its row of table [warps][E];
-// (b) per expert, the part's total goes to part_counts[part] (this rank's buffer), and once
-//     the earlier parts have published theirs, an exclusive scan over the earlier parts and
-//     this part's warps turns each row into the warp's first rank; the last part also has
-//     every expert's total and sends it to the expert's rank as this source's row count;
-// (c) every warp rescans its piece in order: slot j's rank = the warp's running count for
-//     its expert + the lanes before it with the same expert. The code rank * L + e goes to the
-//     expert's rank, -1 to every other rank.
+// (b) per expert, with several parts, the part's total goes to part_counts[part] (this
+//     rank's buffer), and once the earlier parts have published theirs, an exclusive scan
+//     over the earlier parts and this part's warps turns each row into the warp's first rank;
+//     the last part also has every expert's total and sends it to the expert's rank as this
+//     source's row count;
+// (c) every warp goes over its piece again in order: slot j's rank = the warp's running count
+//     for its expert + the lanes before it with the same expert. The code rank * L + e goes to
+//     the expert's rank, -1 to every other rank.
 __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t seq, int part,
                             const int32_t* topk_ids, const float* topk_weights, int ntok,
                             int32_t* send_dest, int32_t* table) {
@@ -86,13 +87,17 @@ __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t
   const int begin = part_begin_ + part_begin(span, warp, warps);
   const int end = part_begin_ + part_begin(span, warp + 1, warps);
   int32_t* mine = table + warp * E;
-  // Loads kRouteUnroll slots per lane before using any: a loop with one load in flight is
-  // bound by memory latency.
-  auto load_ids = [&](int j0, int (&id)[kRouteUnroll], bool record) {
+  // Loads kRouteUnroll slots per lane (ids and weights) before using any: a loop with one
+  // load in flight is bound by memory latency. A piece of one pass (every decode size) keeps
+  // them in registers from (a) to (c) instead of loading them twice.
+  int id[kRouteUnroll];
+  float weight[kRouteUnroll];
+  auto load_slots = [&](int j0, bool record) {
 #pragma unroll
     for (int u = 0; u < kRouteUnroll; ++u) {
       const int j = j0 + 32 * u + lane;
       id[u] = j < end ? topk_ids[j] : -1;
+      weight[u] = j < end ? topk_weights[j] : 0.f;
     }
 #pragma unroll
     for (int u = 0; u < kRouteUnroll; ++u) {
@@ -102,10 +107,10 @@ __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t
       }
     }
   };
+  const bool one_pass = end - begin <= 32 * kRouteUnroll;
   if (warp < warps) {
     for (int j0 = begin; j0 < end; j0 += 32 * kRouteUnroll) {  // (a)
-      int id[kRouteUnroll];
-      load_ids(j0, id, true);
+      load_slots(j0, true);
 #pragma unroll
       for (int u = 0; u < kRouteUnroll; ++u) {
         const int j = j0 + 32 * u + lane;
@@ -116,17 +121,19 @@ __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t
   }
   __syncthreads();
   int32_t* part_counts = reinterpret_cast<int32_t*>(v.local + lay.part_counts);
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {  // (b): this part's totals
-    int total = 0;
-    for (int w = 0; w < warps; ++w) total += table[w * E + e];
-    part_counts[part * E + e] = total;
+  if (parts > 1) {  // (b): this part's totals, for the later parts
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      int total = 0;
+      for (int w = 0; w < warps; ++w) total += table[w * E + e];
+      part_counts[part * E + e] = total;
+    }
+    signal_flag(v.local, lay.part_flag, part, seq);
+    // The earlier parts' totals (parts of one grid: lower blocks never wait for higher ones).
+    bool ok = true;
+    for (int q = threadIdx.x; q < part; q += blockDim.x)
+      ok &= wait_at_least(v, flag_at(v.local, lay.part_flag, q), seq, kStageDispatchSend, me);
+    if (!__syncthreads_and(ok)) return;
   }
-  signal_flag(v.local, lay.part_flag, part, seq);
-  // The earlier parts' totals (parts of one grid: lower blocks never wait for higher ones).
-  bool ok = true;
-  for (int q = threadIdx.x; q < part; q += blockDim.x)
-    ok &= wait_at_least(v, flag_at(v.local, lay.part_flag, q), seq, kStageDispatchSend, me);
-  if (!__syncthreads_and(ok)) return;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int before = 0;
     for (int q = 0; q < part; ++q) before += __ldcg(part_counts + q * E + e);
@@ -145,14 +152,7 @@ __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t
   if (warp < warps) {
     const unsigned lanes_before = (1u << lane) - 1;
     for (int j0 = begin; j0 < end; j0 += 32 * kRouteUnroll) {  // (c)
-      int id[kRouteUnroll];
-      float w[kRouteUnroll];
-      load_ids(j0, id, false);
-#pragma unroll
-      for (int u = 0; u < kRouteUnroll; ++u) {
-        const int j = j0 + 32 * u + lane;
-        w[u] = id[u] >= 0 ? topk_weights[j] : 0.f;
-      }
+      if (!one_pass) load_slots(j0, false);
 #pragma unroll
       for (int u = 0; u < kRouteUnroll; ++u) {
         const int j = j0 + 32 * u + lane;
@@ -172,7 +172,7 @@ __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t
         }
         if (dest >= 0)
           reinterpret_cast<float*>(parity_region(block_peers[dest], lay, seq) + lay.weights)[slot] =
-              w[u];
+              weight[u];
       }
     }
   }
@@ -183,12 +183,14 @@ __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t
 // amax)))) and stores codes and scales into the token's slot on every destination in
 // `dests`. One warp; a scale block is covered by `lanes_per_block` lanes (CPL 16-byte vectors
 // each) that reduce its amax with shuffles. A batch loads up to 8 vectors per lane before any
-// arithmetic (one load in flight per lane left the old kernel bound by memory latency).
+// arithmetic (one load in flight per lane left the old kernel bound by memory latency). The
+// amax is an integer max over bf16 bits (abs_max_bits); a block with a finite amax takes the
+// two-values-per-instruction conversion, one with Inf or NaN the per-value formula.
 template <int CPL>
 __device__ void send_quantized(const CommView& v, const uint4* row, const TokenDests& dests,
                                int block_begin, int block_end) {
   const MoeDims& d = v.dims;
-  constexpr int kSteps = CPL == 1 ? 8 : 1;  // <= 8 vectors per lane in registers
+  constexpr int kSteps = CPL == 1 ? 4 : 1;  // max(4, CPL) vectors per lane in registers
   const int lane = lane_id();
   const int chunks_per_block = d.block_size / 8;  // 8 bf16 per vector
   const int lanes_per_block = chunks_per_block / CPL;
@@ -208,34 +210,26 @@ __device__ void send_quantized(const CommView& v, const uint4* row, const TokenD
       if (b0 + s * blocks_per_step >= block_end) break;  // warp-uniform
       const int b = b0 + s * blocks_per_step + lane / lanes_per_block;
       const bool active = b < block_end;
-      float amax = 0.f;
+      uint32_t pair = 0;
 #pragma unroll
-      for (int c = 0; c < CPL; ++c) {
-        float f[8];
-        bf16x8_to_f32(values[s][c], f);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) amax = active ? max_keep_nan(amax, fabsf(f[i])) : amax;
-      }
+      for (int c = 0; c < CPL; ++c)
+        if (active) pair = abs_max_bits(values[s][c], pair);
+      uint32_t bits = max(pair & 0xffffu, pair >> 16);
       for (int offset = lanes_per_block / 2; offset > 0; offset >>= 1)
-        amax = max_keep_nan(amax, __shfl_xor_sync(kFullMask, amax, offset));
+        bits = max(bits, __shfl_xor_sync(kFullMask, bits, offset));
       if (!active) continue;
-      amax = max_keep_nan(amax, 1e-4f);
+      const bool finite = bits < 0x7f80u;  // the same in every lane of the block
+      const float amax = max_keep_nan(__uint_as_float(bits << 16), 1e-4f);
       const float scale = __fmul_rn(amax, kInv448);
       const float multiplier = __fdiv_rn(448.f, amax);
 #pragma unroll
       for (int c = 0; c < CPL; ++c) {
         float f[8];
-        bf16x8_to_f32(values[s][c], f);  // again: cheaper than holding 8 * CPL floats
-        uint32_t lo = 0, hi = 0;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          lo |= quantize_e4m3(f[i], multiplier) << (8 * i);
-          hi |= quantize_e4m3(f[4 + i], multiplier) << (8 * i);
-        }
+        bf16x8_to_f32(values[s][c], f);
+        const uint2 codes = finite ? quantize8_e4m3_finite(f, multiplier)
+                                   : quantize8_e4m3_nonfinite(f, multiplier);
         const int chunk = b * chunks_per_block + sub + c * lanes_per_block;
-        for_each_dest(dests, [&](char* slot) {
-          reinterpret_cast<uint2*>(slot)[chunk] = make_uint2(lo, hi);
-        });
+        for_each_dest(dests, [&](char* slot) { reinterpret_cast<uint2*>(slot)[chunk] = codes; });
       }
       if (sub == 0) {
         for_each_dest(dests, [&](char* slot) {

@@ -55,6 +55,47 @@ __device__ inline uint32_t quantize_e4m3(float x, float multiplier) {
   return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
 }
 
+// max(m, |x|) per 16-bit half over the eight bf16 of `v`, as bits: |x| of a bf16 is its bits
+// without the sign, and those order like the values (any NaN, above 0x7f80, above Inf), so a
+// block's amax keeps NaN (docs/semantics.md) with one integer max per two values.
+__device__ inline uint32_t abs_max_bits(const uint4& v, uint32_t m) {
+  constexpr uint32_t kMagnitude = 0x7fff7fffu;
+  m = __vmaxu2(m, v.x & kMagnitude);
+  m = __vmaxu2(m, v.y & kMagnitude);
+  return __vmaxu2(__vmaxu2(m, v.z & kMagnitude), v.w & kMagnitude);
+}
+
+// Eight values of a block with a finite amax to e4m3fn codes (byte i = value i):
+// e4m3fn(clip(x * multiplier)) as quantize_e4m3 computes it. With a finite amax no product is
+// NaN, and the saturating conversion clips to +-448 itself, two values per instruction.
+__device__ inline uint2 quantize8_e4m3_finite(const float f[8], float multiplier) {
+  uint32_t words[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const float* x = f + 4 * w;
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(x[0], multiplier), __fmul_rn(x[1], multiplier)), __NV_SATFINITE,
+        __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(x[2], multiplier), __fmul_rn(x[3], multiplier)), __NV_SATFINITE,
+        __NV_E4M3);
+    words[w] = lo | (hi << 16);
+  }
+  return make_uint2(words[0], words[1]);
+}
+
+// The same for a block whose amax is Inf or NaN, value by value (quantize_e4m3). Rare, so
+// kept out of line: the copy loops that call it stay small.
+static __device__ __noinline__ uint2 quantize8_e4m3_nonfinite(const float f[8], float multiplier) {
+  uint2 codes = make_uint2(0, 0);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    codes.x |= quantize_e4m3(f[i], multiplier) << (8 * i);
+    codes.y |= quantize_e4m3(f[4 + i], multiplier) << (8 * i);
+  }
+  return codes;
+}
+
 // One warp moves 16-byte vectors [begin, end): store(c, load(c)) for each c, with kUnroll
 // loads in flight per lane before their stores (a copy loop with one load in flight is bound
 // by memory latency, not bandwidth).
