@@ -26,9 +26,9 @@ f32 scale per 128x128 block), timed through jax_moe's ragged_dot ("jax_moe fp8 a
 sm90 quantized kernel with f16 scales and x cast to f16, see grouped_gemm) and tokamax's own
 heuristic config; checked against lax.ragged_dot of x with the bf16-dequantized weights (and
 also, for the record, against the f32-dequantized and the original bf16 weights); target <=
-0.6x the bf16 "jax_moe auto" time. --fp8-variants also tries the operand dtypes that do not
-compile with this jax (bf16 scales, bf16 x, f32 scales) and records their errors; --sweep fp8
-times SWEEP_FP8's tile configs (the data behind grouped_gemm.SM90_FP8_CONFIGS).
+0.6x the bf16 "jax_moe auto" time. --fp8-variants NAME,... also tries other operand dtypes
+(FP8_VARIANTS: bf16 scales, bf16 x, f32 scales, f32 output) and records what they give;
+--sweep fp8 times SWEEP_FP8's tile configs (the data behind grouped_gemm.SM90_FP8_CONFIGS).
 
 Writes <out>/grouped_gemm_<device>.json (after every shape) and .png, and prints the table.
 
@@ -105,19 +105,22 @@ SWEEP = {
 # 16 KiB of fp8 codes (two 64-column halves of 128 K).
 _F = lambda m, s, p, minor=0, w=1: dict(block_m=m, block_k=128, num_stages=s, persistent=p,
                                         grid_minor_dim=minor, grid_tile_width=w)
-SWEEP_FP8 = {
-    "fp8 m64k128s4 persistent M-minor": _F(64, 4, True),
-    "fp8 m64k128s6 persistent M-minor": _F(64, 6, True),
-    "fp8 m64k128s4 M-minor": _F(64, 4, False),
-    "fp8 m64k128s4 persistent N-minor w4": _F(64, 4, True, 1, 4),
-    "fp8 m32k128s6 persistent M-minor": _F(32, 6, True),
-    "fp8 m16k128s8 persistent M-minor": _F(16, 8, True),
+SWEEP_FP8 = {  # name: block_m, stages, persistent (p), grid order
+    "m64s2p": _F(64, 2, True),            # tokamax's heuristic
+    "m64s6p": _F(64, 6, True),
+    "m64s4": _F(64, 4, False),
+    "m64s4p-N4": _F(64, 4, True, 1, 4),   # N-minor, 4 wide
+    "m32s6p": _F(32, 6, True),
+    "m32s6": _F(32, 6, False),
+    "m16s8p": _F(16, 8, True),
 }
-FP8_VARIANTS = {  # (scale dtype, x dtype) as passed to the kernel
-    "bf16 scales, bf16 x": (jnp.bfloat16, jnp.bfloat16),
-    "f16 scales, bf16 x": (jnp.float16, jnp.bfloat16),
-    "f32 scales, f16 x": (jnp.float32, jnp.float16),
-    "bf16 scales, f16 x": (jnp.bfloat16, jnp.float16),
+FP8_VARIANTS = {  # (scale dtype, x dtype, kernel output dtype) as passed to the kernel; the
+    # form that compiles: f16 scales, f16 x, bf16 output
+    "bf16-scales-bf16-x": (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
+    "f16-scales-bf16-x": (jnp.float16, jnp.bfloat16, jnp.bfloat16),
+    "f32-scales-f16-x": (jnp.float32, jnp.float16, jnp.bfloat16),
+    "bf16-scales-f16-x": (jnp.bfloat16, jnp.float16, jnp.bfloat16),
+    "f32-output": (jnp.float16, jnp.float16, jnp.float32),
 }
 for _configs in [*SWEEP.values(), SWEEP_FP8]:
   for _config in _configs.values():
@@ -175,7 +178,7 @@ def padded_einsum(sizes: np.ndarray, m: int):
 
 
 def methods_for(kind: str, sizes: np.ndarray, m: int, k: int, n: int, wanted, sweep,
-                device, fp8_variants: bool = False):
+                device, fp8_variants=(), fp8_configs=()):
   """[(label, family, fn(x, w, gs) -> [M, N] bf16, tile config or None, note)]."""
   out = []
   bf16 = jnp.bfloat16
@@ -218,20 +221,19 @@ def methods_for(kind: str, sizes: np.ndarray, m: int, k: int, n: int, wanted, sw
                 lambda x, w8, gs: gg.ragged_dot(x, w8, gs, preferred_element_type=bf16),
                 gg.tuned_fp8_config(m, len(sizes), bf16, device), f"-> {chosen[0]}: {chosen[1]}"))
     if tokamax_ok:
-      out.append(("tokamax fp8, its heuristic config", "fp8",
-                  lambda x, w8, gs: gg.tokamax_ragged_dot_fp8(x, w8, gs,
-                                                              preferred_element_type=bf16,
-                                                              config=None), None, ""))
-      if fp8_variants:
-        for name, (scale_dtype, x_dtype) in FP8_VARIANTS.items():
-          out.append((f"fp8 variant: {name}", "fp8 variant",
-                      lambda x, w8, gs, sd=scale_dtype, xd=x_dtype: gg.tokamax_ragged_dot_fp8(
-                          x, w8, gs, preferred_element_type=bf16, scale_dtype=sd, lhs_dtype=xd),
-                      None, "what tokamax's API accepts, tried"))
+      for name in fp8_variants:
+        scale_dtype, x_dtype, kernel_out = FP8_VARIANTS[name]
+        config = None if kernel_out == bf16 else gg.tuned_fp8_config(m, len(sizes), kernel_out)
+        out.append((f"fp8 variant: {name}", "fp8 variant",
+                    lambda x, w8, gs, sd=scale_dtype, xd=x_dtype, ko=kernel_out, c=config:
+                    gg.tokamax_ragged_dot_fp8(x, w8, gs, preferred_element_type=bf16,
+                                              scale_dtype=sd, lhs_dtype=xd, kernel_out=ko,
+                                              config="tuned" if c is None else c),
+                    config, "what tokamax's API accepts, tried"))
       if sweep in ("fp8", "all"):
-        for name, config in SWEEP_FP8.items():
-          config = {**config, "block_n": 64}
-          out.append((name, "fp8 sweep",
+        for name in fp8_configs or SWEEP_FP8:
+          config = {**SWEEP_FP8[name], "block_n": 64}
+          out.append((f"fp8 cfg {name}", "fp8 sweep",
                       lambda x, w8, gs, c=config: gg.tokamax_ragged_dot_fp8(
                           x, w8, gs, preferred_element_type=bf16, config=c), config, ""))
   if "auto" in wanted:
@@ -371,6 +373,8 @@ def grade(result: dict, floors: dict, kind: str, peak: dict | None) -> None:
     result["x_hbm_floor"] = t / floors["hbm_floor_us"]
   if peak:
     result["frac_peak"] = result["tflops"] / peak["tflops"]
+  if result["family"].startswith("fp8"):
+    return  # graded against the bf16 time at the end (the fp8 target)
   if kind == "decode" and "x_hbm_floor" in result:
     result["meets_target"] = result["x_hbm_floor"] <= DECODE_TARGET
   elif kind == "prefill" and "frac_peak" in result:
@@ -455,6 +459,19 @@ def table(payload: dict) -> str:
 
 
 # ------------------------------------------------------------------------------- main
+def _shape_configs(text: str) -> dict[str, list[str]]:
+  out = {}
+  for part in filter(None, (p.strip() for p in text.split(";"))):
+    shape, _, names = part.partition("=")
+    names = [n for n in names.split("+") if n]
+    bad = [n for n in names if n not in SWEEP_FP8]
+    if shape not in (*SHAPES, *QUICK_SHAPES, "*") or bad or not names:
+      raise argparse.ArgumentTypeError(f"--fp8-configs: bad entry {part!r} (configs: "
+                                       f"{list(SWEEP_FP8)})")
+    out[shape] = names
+  return out
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -469,9 +486,12 @@ def parse_args(argv=None):
                  choices=("bf16", "fp8", "all"),
                  help="also time every candidate tile config of tokamax's sm90 kernel (bf16), "
                       "of its quantized kernel (fp8) or both (all, the default)")
-  p.add_argument("--fp8-variants", action="store_true",
-                 help="at the first decode shape, also try the fp8 operand dtypes that do not "
-                      "compile here (bf16 scales, bf16 x, f32 scales) and record the errors")
+  p.add_argument("--fp8-configs", type=_shape_configs, default={},
+                 help="with --sweep fp8: which SWEEP_FP8 configs, per shape: "
+                      "'shape=cfg+cfg;shape2=cfg' or '*=cfg+cfg' (default: all)")
+  p.add_argument("--fp8-variants", type=csv_list(tuple(FP8_VARIANTS)), default=[],
+                 help="at the first decode shape, also try these fp8 operand dtypes (comma-"
+                      f"separated of {list(FP8_VARIANTS)}) and record what they give")
   p.add_argument("--iters", type=int, default=40, help="long loop length (shortened to fit "
                  "--budget-s)")
   p.add_argument("--short-iters", type=int, default=2)
@@ -558,7 +578,8 @@ def main(argv=None) -> int:
                                                          preferred_element_type=jnp.float32))
     ref = f32_dot(x, w, gs)
     methods = methods_for(kind, sizes, m, k, n, args.methods, args.sweep, device,
-                          fp8_variants=args.fp8_variants and name == first_decode)
+                          fp8_variants=args.fp8_variants if name == first_decode else (),
+                          fp8_configs=args.fp8_configs.get(name, args.fp8_configs.get("*", ())))
     fp8 = None
     if any(family.startswith("fp8") for _, family, fn, _, _ in methods if fn is not None):
       # quantized once per shape; the reference is x times the bf16-dequantized weights

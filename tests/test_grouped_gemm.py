@@ -342,12 +342,11 @@ def test_fp8_tokamax_wrapper_on_a_stand_in_kernel(rng, stand_in_kernel, case, ou
         got = gg.ragged_dot(x, weights, gs, preferred_element_type=out_dtype)
         passed_sizes, config, operands = stand_in_kernel[-1]
         assert sum(passed_sizes) == min(sum(sizes), m)
-        kernel_out = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
+        kernel_out = jnp.bfloat16  # f32 and f16 results are cast from the kernel's bf16
         assert operands == dict(lhs=jnp.float16, qvalue=(len(sizes), 256, 192),
                                 scale=jnp.float16, scale_shape=(len(sizes), 2, 192),
                                 out=kernel_out)
-        assert config == gg.tuned_fp8_config(m, len(sizes), kernel_out)
-        assert config["block_n"] == 128 // jnp.dtype(kernel_out).itemsize
+        assert config == gg.tuned_fp8_config(m, len(sizes)) and config["block_n"] == 64
         want = jax.lax.ragged_dot(x, w8.dequantize(jnp.bfloat16), gs,
                                   preferred_element_type=jnp.float32)
         assert got.dtype == out_dtype
@@ -376,14 +375,12 @@ def _assert_fp8_close(got, want, x, w8, sizes, out_dtype):
     """got (the kernel: f16 x, weights codes * f16 scale in f16) against x times the
     bf16-dequantized weights: their weights differ by the bf16 rounding (2^-9 relative) plus
     the f16 roundings of scale and product (2 * 2^-11), so |got - want| <= 2^-8 * sum|x*w|
-    (with room), plus one bf16/f16 ulp of the result for 16-bit outputs."""
+    (with room), plus one bf16 ulp of the result (the kernel writes bf16)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     magnitude = gg.reference_ragged_dot(np.abs(np.asarray(x, np.float64)),
                                         np.abs(np.asarray(w8.dequantize(jnp.float32),
                                                           np.float64)), sizes)
-    bound = 2.0 ** -8 * magnitude + 1e-30
-    if jnp.dtype(out_dtype) != jnp.float32:
-        bound = bound + 2.0 ** -7 * np.abs(want)
+    bound = 2.0 ** -8 * magnitude + 2.0 ** -7 * np.abs(want) + 1e-30
     excess = np.abs(got - want) - bound
     assert (excess <= 0).all(), f"max excess {excess.max():.3g}"
 
@@ -462,22 +459,28 @@ def test_gpu_fp8_matches_the_dequantized_reference(rng, case, out_dtype):
     want = jax.jit(lambda a, b, c: jax.lax.ragged_dot(a, b.dequantize(jnp.bfloat16), c,
                                                       preferred_element_type=jnp.float32))(
         x, w8, gs)
-    for weights in (w8, w8.for_kernel()):
-        got = jax.jit(lambda a, b, c: gg.ragged_dot(a, b, c, preferred_element_type=out_dtype))(
-            x, weights, gs)
-        assert got.dtype == out_dtype
-        _assert_fp8_close(got, want, x, w8, sizes, out_dtype)
-        assert not np.asarray(got, np.float32)[min(sum(sizes), m):].any()
-        err = np.linalg.norm(np.asarray(got, np.float64) - np.asarray(want, np.float64))
-        print(f"fp8 {case} {jnp.dtype(out_dtype).name}: relative error "
-              f"{err / np.linalg.norm(np.asarray(want, np.float64)):.2e}")
+    # kernel scales made once (for_kernel) for bf16 outputs, in the call for f32 ones
+    weights = w8.for_kernel() if out_dtype == jnp.bfloat16 else w8
+    got = jax.jit(lambda a, b, c: gg.ragged_dot(a, b, c, preferred_element_type=out_dtype))(
+        x, weights, gs)
+    assert got.dtype == out_dtype
+    _assert_fp8_close(got, want, x, w8, sizes, out_dtype)
+    assert not np.asarray(got, np.float32)[min(sum(sizes), m):].any()
+    err = np.linalg.norm(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+    print(f"fp8 {case} {jnp.dtype(out_dtype).name}: relative error "
+          f"{err / np.linalg.norm(np.asarray(want, np.float64)):.2e}")
+
+
+_FP8_CONFIGS = list(gg.SM90_FP8_CONFIGS.values())
+_FP8_CONFIG_NAMES = ["heuristics"] + [name for i, (name, c) in enumerate(gg.SM90_FP8_CONFIGS.items())
+                                      if c not in _FP8_CONFIGS[:i]]  # the distinct ones
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config_name", ["heuristics", *sorted(gg.SM90_FP8_CONFIGS)])
+@pytest.mark.parametrize("config_name", _FP8_CONFIG_NAMES)
 def test_gpu_every_fp8_config_matches(rng, config_name):
     _needs_tokamax()
-    for case in ("uneven", "short"):
+    for case in ("short",):  # (each config's compile takes seconds)
         m, sizes = GPU_CASES[case]
         x, _, w8, gs = _fp8_inputs(rng, m, sizes, k=512, n=256)
         config = None
