@@ -65,9 +65,8 @@ __device__ void send_partials(const CommView& v, const NvlinkLayout& lay, uint64
   const int tokens = t1 - t0, items = d.world * tokens;
   const int parts = hidden_parts(d, items);
   const size_t pbytes = partial_bytes(d);
-  // Rows of the slots of (s, t) that have one here, compacted in k order, and their weights.
+  // Rows of the slots of (s, t) that have one here, compacted in k order.
   __shared__ int32_t warp_rows[kExchangeWarps][32];
-  __shared__ float warp_weights[kExchangeWarps][32];
   for (int task = warp; task < items * parts; task += kExchangeWarps) {
     const int item = task / parts, part = task % parts;
     const int s = item / tokens, t = t0 + item % tokens;
@@ -76,12 +75,15 @@ __device__ void send_partials(const CommView& v, const NvlinkLayout& lay, uint64
     if (!__ballot_sync(kFullMask, row != -1)) continue;
     const unsigned with_row = __ballot_sync(kFullMask, row >= 0);
     const int rows_here = __popc(with_row);
+    // Lane i holds the weight of the i-th row: its load is in flight with the rows' loads
+    // below (it is only needed by the sums, through a shuffle).
+    float weight = 0.f;
     if (row >= 0) {
       const int i = __popc(with_row & ((1u << lane) - 1));  // k order kept
       warp_rows[warp][i] = row;
-      warp_weights[warp][i] = row_weights[row];
     }
     __syncwarp();
+    if (lane < rows_here) weight = row_weights[warp_rows[warp][lane]];
     char* dst = parity_region(block_peers[s], lay, seq) + lay.combine +
                 (size_t(me) * T + t) * d.hidden * pbytes;
     const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
@@ -105,8 +107,8 @@ __device__ void send_partials(const CommView& v, const NvlinkLayout& lay, uint64
         }
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
+          const float w = __shfl_sync(kFullMask, weight, (i0 + u) & 31);
           if (i0 + u >= rows_here) continue;
-          const float w = warp_weights[warp][i0 + u];
 #pragma unroll
           for (int j = 0; j < kChunksPerLane; ++j) {
             if (c0 + 32 * j >= end) continue;

@@ -13,6 +13,8 @@
 //   every block waits for every source's route flags (the counts give each expert's
 //   segment), then per chunk for the sources' rows of that chunk, and copies each token to
 //   its rows.
+#include <algorithm>
+
 #include "cuda/api.cuh"
 #include "cuda/exchange.cuh"
 #include "cuda/rows.cuh"
@@ -51,7 +53,7 @@ __device__ inline void for_each_dest(const TokenDests& dests, Store store) {
   for (int i = 0; i < dests.count; ++i) store(dests.slot[i]);
 }
 
-constexpr int kRouteUnroll = 8;  // slots per lane loaded at once by the route pass
+constexpr int kRouteUnroll = 4;  // slots per lane loaded at once (one pass at 2048-slot parts)
 
 // Route pass, part `part` of route_blocks(d, chunks) (one block each; all threads take part,
 // warps [0, route_warps) count). Slots are j = t * K + k over the ntok tokens given; the part
@@ -182,38 +184,65 @@ __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t
 // per block amax = max(max|x|, 1e-4), scale = amax * f32(1/448), q = e4m3fn(clip(x * (448 /
 // amax)))) and stores codes and scales into the token's slot on every destination in
 // `dests`. One warp; a scale block is covered by `lanes_per_block` lanes (CPL 16-byte vectors
-// each) that reduce its amax with shuffles. A batch loads up to 8 vectors per lane before any
-// arithmetic (one load in flight per lane left the old kernel bound by memory latency). The
-// amax is an integer max over bf16 bits (abs_max_bits); a block with a finite amax takes the
-// two-values-per-instruction conversion, one with Inf or NaN the per-value formula.
+// each) that reduce its amax with shuffles. A batch is kSteps * CPL vectors per lane; the
+// warp's `ring` in shared memory (kSendRingVectors per lane) holds kStages batches, loaded
+// with cp.async kStages - 1 batches ahead of the one being quantized (with one batch in
+// registers at a time the warp waited for memory on every batch). The amax is an integer max
+// over bf16 bits (abs_max_bits); a block with a finite amax takes the two-values-per-
+// instruction conversion, one with Inf or NaN the per-value formula.
 template <int CPL>
 __device__ void send_quantized(const CommView& v, const uint4* row, const TokenDests& dests,
-                               int block_begin, int block_end) {
+                               int block_begin, int block_end, uint4* ring) {
   const MoeDims& d = v.dims;
-  constexpr int kSteps = CPL == 1 ? 4 : 1;  // max(4, CPL) vectors per lane in registers
+  constexpr int kSteps = CPL < 4 ? 4 / CPL : 1;
+  constexpr int kVectors = kSteps * CPL;                  // per lane per batch
+  constexpr int kStages = kSendRingVectors / kVectors;    // batches in the ring
+  static_assert(kStages >= 2, "the send ring must hold two batches");
   const int lane = lane_id();
   const int chunks_per_block = d.block_size / 8;  // 8 bf16 per vector
   const int lanes_per_block = chunks_per_block / CPL;
   const int blocks_per_step = 32 / lanes_per_block;
   const int sub = lane % lanes_per_block;
-  for (int b0 = block_begin; b0 < block_end; b0 += blocks_per_step * kSteps) {
-    uint4 values[kSteps][CPL];
+  const int batch_blocks = blocks_per_step * kSteps;
+  const int batches = (block_end - block_begin + batch_blocks - 1) / batch_blocks;
+  // ring[(stage * kVectors + i) * 32 + lane]: a lane reads back only what it copied itself.
+  auto issue = [&](int batch) {
+    if (batch < batches) {
+      uint4* stage = ring + (batch % kStages) * kVectors * 32 + lane;
 #pragma unroll
-    for (int s = 0; s < kSteps; ++s) {
-      const int b = b0 + s * blocks_per_step + lane / lanes_per_block;
+      for (int s = 0; s < kSteps; ++s) {
+        const int b = block_begin + batch * batch_blocks + s * blocks_per_step +
+                      lane / lanes_per_block;
 #pragma unroll
-      for (int c = 0; c < CPL; ++c)
-        if (b < block_end) values[s][c] = row[b * chunks_per_block + sub + c * lanes_per_block];
+        for (int c = 0; c < CPL; ++c)
+          if (b < block_end)
+            copy_async16(stage + (s * CPL + c) * 32,
+                         row + b * chunks_per_block + sub + c * lanes_per_block);
+      }
     }
+    copy_async_commit();  // an empty group past the last batch keeps the count uniform
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+  for (int batch = 0; batch < batches; ++batch) {
+    issue(batch + kStages - 1);
+    copy_async_wait<kStages - 1>();
+    const uint4* stage = ring + (batch % kStages) * kVectors * 32 + lane;
+    const int b0 = block_begin + batch * batch_blocks;
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
       if (b0 + s * blocks_per_step >= block_end) break;  // warp-uniform
       const int b = b0 + s * blocks_per_step + lane / lanes_per_block;
       const bool active = b < block_end;
+      uint4 values[CPL];
       uint32_t pair = 0;
 #pragma unroll
-      for (int c = 0; c < CPL; ++c)
-        if (active) pair = abs_max_bits(values[s][c], pair);
+      for (int c = 0; c < CPL; ++c) {
+        if (active) {
+          values[c] = stage[(s * CPL + c) * 32];
+          pair = abs_max_bits(values[c], pair);
+        }
+      }
       uint32_t bits = max(pair & 0xffffu, pair >> 16);
       for (int offset = lanes_per_block / 2; offset > 0; offset >>= 1)
         bits = max(bits, __shfl_xor_sync(kFullMask, bits, offset));
@@ -225,7 +254,7 @@ __device__ void send_quantized(const CommView& v, const uint4* row, const TokenD
 #pragma unroll
       for (int c = 0; c < CPL; ++c) {
         float f[8];
-        bf16x8_to_f32(values[s][c], f);
+        bf16x8_to_f32(values[c], f);
         const uint2 codes = finite ? quantize8_e4m3_finite(f, multiplier)
                                    : quantize8_e4m3_nonfinite(f, multiplier);
         const int chunk = b * chunks_per_block + sub + c * lanes_per_block;
@@ -238,6 +267,7 @@ __device__ void send_quantized(const CommView& v, const uint4* row, const TokenD
       }
     }
   }
+  copy_async_wait<0>();  // the ring is free for the warp's next task
 }
 
 // Copies 16-byte vectors [chunk_begin, chunk_end) of `row`, and floats [scale_begin,
@@ -271,7 +301,7 @@ __device__ inline int row_parts(const MoeDims& d, TokenInput input, int tokens) 
 // part of its row).
 __device__ void send_chunk(const CommView& v, const NvlinkLayout& lay, uint64_t seq,
                            TokenInput input, const void* x, const float* x_scales,
-                           const int32_t* topk_ids, int t0, int t1) {
+                           const int32_t* topk_ids, int t0, int t1, int32_t* smem) {
   const MoeDims& d = v.dims;
   const int K = d.topk, H = d.hidden, lane = lane_id();
   const int nb = H / d.block_size;
@@ -294,11 +324,12 @@ __device__ void send_chunk(const CommView& v, const NvlinkLayout& lay, uint64_t 
     const int b_begin = part_begin(nb, part, parts), b_end = part_begin(nb, part + 1, parts);
     if (input == kInputBf16Quantize) {
       const uint4* row = static_cast<const uint4*>(x) + size_t(t) * (H / 8);
+      uint4* ring = reinterpret_cast<uint4*>(smem) + block_warp() * kSendRingVectors * 32;
       switch (d.block_size / 8 / min(d.block_size / 8, 32)) {  // vectors per lane per block
-        case 1: send_quantized<1>(v, row, dests, b_begin, b_end); break;
-        case 2: send_quantized<2>(v, row, dests, b_begin, b_end); break;
-        case 4: send_quantized<4>(v, row, dests, b_begin, b_end); break;
-        default: send_quantized<8>(v, row, dests, b_begin, b_end); break;
+        case 1: send_quantized<1>(v, row, dests, b_begin, b_end, ring); break;
+        case 2: send_quantized<2>(v, row, dests, b_begin, b_end, ring); break;
+        case 4: send_quantized<4>(v, row, dests, b_begin, b_end, ring); break;
+        default: send_quantized<8>(v, row, dests, b_begin, b_end, ring); break;
       }
     } else if (input == kInputFp8) {
       // A part covers whole scale blocks, codes and scales (parts > 1 only when a block is a
@@ -481,7 +512,7 @@ dispatch_kernel(CommView v, TokenInput input, const void* x,
                 int32_t* slot_rows) {
   const MoeDims& d = v.dims;
   const NvlinkLayout lay = nvlink_layout(d, v.chunks);
-  extern __shared__ int32_t smem[];
+  extern __shared__ __align__(16) int32_t smem[];  // dispatch_smem_bytes(d)
   load_peers(v);
 
   if (kPhases & kPhaseSend) {
@@ -499,7 +530,7 @@ dispatch_kernel(CommView v, TokenInput input, const void* x,
     }
     for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
       send_chunk(v, lay, seq, input, x, x_scales, topk_ids, chunk_begin(v, c),
-                 min(chunk_begin(v, c + 1), ntok));
+                 min(chunk_begin(v, c + 1), ntok), smem);
       signal_peers(v, lay.rows_flag, d.rank * v.chunks + c, seq);
       finish_chunk(v, kSeqDispatchSend, c, seq);
     }
@@ -530,12 +561,13 @@ dispatch_kernel(CommView v, TokenInput input, const void* x,
   }
 }
 
-// Dynamic shared memory of a dispatch block: the route table or the segments, whichever is
-// larger (the state refuses dims where either needs more than kExchangeSmem).
+// Dynamic shared memory of a dispatch block, used in turn by the route table, the quantizing
+// send's ring and the segments: the largest of them (the state refuses dims where the table
+// or the segments need more than kExchangeSmem).
 size_t dispatch_smem_bytes(const MoeDims& d) {
   const size_t route = 4 * size_t(route_warps(d)) * d.num_experts;
   const size_t place = place_smem_bytes(d);
-  return route > place ? route : place;
+  return std::max({route, place, kSendRingBytes});
 }
 
 }  // namespace
@@ -550,7 +582,12 @@ cudaError_t launch_dispatch(const CommView& view, int phases, TokenInput input, 
   auto kernel = phases == kPhaseSend   ? dispatch_kernel<kPhaseSend>
                 : phases == kPhaseRecv ? dispatch_kernel<kPhaseRecv>
                                        : dispatch_kernel<kPhaseBoth>;
-  kernel<<<view.grid, kExchangeThreads, dispatch_smem_bytes(view.dims), stream>>>(
+  const size_t smem = dispatch_smem_bytes(view.dims);
+  // Above 48 KiB a kernel must opt in (per device; cheap, and allowed during graph capture).
+  const cudaError_t opt_in =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (opt_in != cudaSuccess) return opt_in;
+  kernel<<<view.grid, kExchangeThreads, smem, stream>>>(
       view, input, x, x_scales, topk_ids, topk_weights, num_tokens, send_dest, x_out,
       scales_out, weights_out, group_sizes, tokens_per_expert, slot_rows);
   return cudaGetLastError();

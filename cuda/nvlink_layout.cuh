@@ -117,6 +117,12 @@ constexpr int kExchangeThreads = 512;
 constexpr int kExchangeWarps = kExchangeThreads / 32;
 constexpr size_t kExchangeSmem = 48 * 1024;
 
+// The quantizing send stages each warp's row loads in shared memory, kSendRingVectors 16-byte
+// vectors per lane (a ring of batches, cuda/dispatch.cu send_quantized), so that several
+// batches are in flight per warp without holding them in registers.
+constexpr int kSendRingVectors = 16;
+constexpr size_t kSendRingBytes = size_t(kExchangeThreads) * kSendRingVectors * 16;
+
 JAX_MOE_HD inline int route_warps(const MoeDims& d) {
   const size_t fit = kExchangeSmem / (4 * size_t(d.num_experts));
   return fit > size_t(kExchangeWarps) ? kExchangeWarps : int(fit);

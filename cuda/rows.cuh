@@ -96,6 +96,19 @@ static __device__ __noinline__ uint2 quantize8_e4m3_nonfinite(const float f[8], 
   return codes;
 }
 
+// Asynchronous 16-byte copies global -> shared (cp.async, bypassing L1): a warp keeps several
+// batches of a row in flight in shared memory while it computes on an earlier one.
+__device__ inline void copy_async16(void* shared, const void* global) {
+  const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(global) : "memory");
+}
+__device__ inline void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most `kPending` of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ inline void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
 // One warp moves 16-byte vectors [begin, end): store(c, load(c)) for each c, with kUnroll
 // loads in flight per lane before their stores (a copy loop with one load in flight is bound
 // by memory latency, not bandwidth).
