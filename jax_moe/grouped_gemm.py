@@ -423,12 +423,20 @@ def kernel_scales(scales, block, n: int):
 # Tile configs for tokamax's sm90 quantized kernel ("decode"/"prefill" as SM90_CONFIGS).
 # block_n is one 128-byte swizzle row of the kernel's output (64 for its bf16 output: an f32
 # output would need 32-row wgmma tiles, below Hopper's 64); block_k must divide the K block.
+# Measured on one H200 (benchmarks/results/grouped-gemm-5bbca85/): "decode-small" (mean group
+# under FP8_SMALL_ROWS_PER_GROUP rows): 16-row tiles, 8 stages, 946 us at 1024 x 256 x 7168 ->
+# 2048 (0.55x the bf16 path's 1708 us) against 1209 us for the "decode" config and 1065 us for
+# 32-row tiles; "decode": 54 us at 1024 x 16 x 4096 -> 1536 (0.91x bf16's 59 us; 32-row tiles
+# 65 us); "prefill": not measured (the decode config, a guess).
 SM90_FP8_CONFIGS: dict[str, dict[str, Any]] = {
+    "decode-small": dict(block_m=16, block_k=128, num_stages=8, split_k=1, persistent=True,
+                         grid_minor_dim=0, grid_tile_width=1),
     "decode": dict(block_m=64, block_k=128, num_stages=4, split_k=1, persistent=True,
                    grid_minor_dim=0, grid_tile_width=1),
     "prefill": dict(block_m=64, block_k=128, num_stages=4, split_k=1, persistent=True,
                     grid_minor_dim=0, grid_tile_width=1),
 }
+FP8_SMALL_ROWS_PER_GROUP = 16  # measured at 4 and 64 rows per group; the boundary is a guess
 
 
 def tuned_fp8_config(m: int, g: int, kernel_out=jnp.bfloat16, device=None
@@ -436,7 +444,8 @@ def tuned_fp8_config(m: int, g: int, kernel_out=jnp.bfloat16, device=None
   device = device or _default_device()
   if not _is_hopper(device):
     return None
-  config = dict(SM90_FP8_CONFIGS[_shape_class(m, g)])
+  small = m < FP8_SMALL_ROWS_PER_GROUP * max(g, 1)
+  config = dict(SM90_FP8_CONFIGS["decode-small" if small else _shape_class(m, g)])
   config["block_n"] = 128 // jnp.dtype(kernel_out).itemsize
   return config
 

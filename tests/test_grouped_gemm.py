@@ -354,6 +354,14 @@ def test_fp8_tokamax_wrapper_on_a_stand_in_kernel(rng, stand_in_kernel, case, ou
         assert not np.asarray(got, np.float32)[min(sum(sizes), m):].any()
 
 
+def test_fp8_tuned_config_classes(stand_in_kernel):
+    """DeepSeek decode (4 rows per group) gets 16-row tiles, Qwen3 decode (64) the decode ones."""
+    small = {**gg.SM90_FP8_CONFIGS["decode-small"], "block_n": 64}
+    assert gg.tuned_fp8_config(1024, 256) == small
+    assert gg.tuned_fp8_config(1024, 16) == {**gg.SM90_FP8_CONFIGS["decode"], "block_n": 64}
+    assert gg.tuned_fp8_config(32768, 32) == {**gg.SM90_FP8_CONFIGS["prefill"], "block_n": 64}
+
+
 def test_fp8_dispatch_rule(rng, stand_in_kernel):
     x, _, w8, gs = _fp8_inputs(rng, *CASES["uneven"])
     assert gg.implementation_for(x, w8)[0] == "tokamax"
