@@ -189,6 +189,8 @@ def _tokamax_blocker(lhs, rhs, precision, preferred_element_type, device) -> str
     return f"K={k} is not a multiple of 128 (kernel tiles)"
   if n % 64:
     return f"N={n} is not a multiple of 64 (kernel tiles)"
+  if fp8 and n % 128:  # tokamax's sm90 quantized kernel walks N in pairs of 64-column tiles
+    return f"N={n} is not a multiple of 128 (the quantized kernel's pairs of 64-column tiles)"
   return None
 
 

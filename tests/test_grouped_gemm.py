@@ -251,7 +251,7 @@ def test_tokamax_wrapper_dispatch_rule(rng, stand_in_kernel):
 
 
 # ---------------------------------------------------------------------- CPU: fp8 weights
-def _fp8_inputs(rng, m, sizes, k=256, n=192, block=(128, 128), dtype=jnp.bfloat16):
+def _fp8_inputs(rng, m, sizes, k=256, n=256, block=(128, 128), dtype=jnp.bfloat16):
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     w = rng.standard_normal((len(sizes), k, n)) / np.sqrt(k)
     w *= np.exp(rng.uniform(-3, 1, (len(sizes), 1, n)))  # blocks of very different sizes
@@ -294,13 +294,17 @@ def test_fp8_lax_path_is_lax_ragged_dot_of_the_dequantized_weights(rng, case):
     m, sizes = CASES[case]
     x, _, w8, gs = _fp8_inputs(rng, m, sizes)
     for impl in ("auto", "lax"):
+        chosen, _ = gg.implementation_for(x, w8, gs, preferred_element_type=jnp.float32,
+                                          implementation=impl)
+        if chosen != "lax":  # auto on a Hopper GPU with tokamax: the GPU tests cover it
+            continue
         got = gg.ragged_dot(x, w8, gs, preferred_element_type=jnp.float32, implementation=impl)
         want = jax.lax.ragged_dot(x, w8.dequantize(jnp.bfloat16), gs,
                                   preferred_element_type=jnp.float32)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert not np.asarray(got)[min(sum(sizes), m):].any()
     got = jax.jit(gg.ragged_dot)(x, w8.for_kernel(), gs)  # a pytree through jit; dtype of x
-    assert got.dtype == jnp.bfloat16 and got.shape == (m, 192)
+    assert got.dtype == jnp.bfloat16 and got.shape == (m, 256)
 
 
 def test_fp8_kernel_scales(rng):
@@ -343,8 +347,8 @@ def test_fp8_tokamax_wrapper_on_a_stand_in_kernel(rng, stand_in_kernel, case, ou
         passed_sizes, config, operands = stand_in_kernel[-1]
         assert sum(passed_sizes) == min(sum(sizes), m)
         kernel_out = jnp.bfloat16  # f32 and f16 results are cast from the kernel's bf16
-        assert operands == dict(lhs=jnp.float16, qvalue=(len(sizes), 256, 192),
-                                scale=jnp.float16, scale_shape=(len(sizes), 2, 192),
+        assert operands == dict(lhs=jnp.float16, qvalue=(len(sizes), 256, 256),
+                                scale=jnp.float16, scale_shape=(len(sizes), 2, 256),
                                 out=kernel_out)
         assert config == gg.tuned_fp8_config(m, len(sizes)) and config["block_n"] == 64
         want = jax.lax.ragged_dot(x, w8.dequantize(jnp.bfloat16), gs,
@@ -372,6 +376,8 @@ def test_fp8_dispatch_rule(rng, stand_in_kernel):
     assert gg.implementation_for(x, small_blocks)[0] == "lax"             # K block % 128
     _, _, odd_n, _ = _fp8_inputs(rng, 8, [8], k=256, n=72)
     assert gg.implementation_for(x, odd_n)[0] == "lax"                    # N % 64
+    _, _, n192, _ = _fp8_inputs(rng, 8, [8], k=256, n=192)
+    assert gg.implementation_for(x, n192)[0] == "lax"                     # N % 128 (tile pairs)
     _, _, odd_k, _ = _fp8_inputs(rng, 8, [8], k=200, n=192)
     assert gg.implementation_for(x[:, :200], odd_k)[0] == "lax"           # K % block
     assert gg.implementation_for(x, w8, implementation="lax")[0] == "lax"
