@@ -63,3 +63,35 @@ def test_processes_on_other_hosts_are_found_by_name(monkeypatch, names, expected
     monkeypatch.setattr(cuda_proxy.socket, "gethostname", lambda: "this-host")
     assert cuda_proxy.spans_hosts(fake_devices([0, 1]), "test") is expected
     assert "this-host" in store.values.values()  # this process published its name
+
+
+@pytest.mark.parametrize("value, expected", [(None, False), ("0", False), ("1", True)])
+def test_stage_clocks_read_the_environment(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("JAX_MOE_STAGE_CLOCKS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_MOE_STAGE_CLOCKS", value)
+    assert settings.stage_clocks() is expected
+
+
+def test_stage_clocks_refuse_other_values(monkeypatch):
+    monkeypatch.setenv("JAX_MOE_STAGE_CLOCKS", "on")
+    with pytest.raises(ValueError, match="JAX_MOE_STAGE_CLOCKS must be 0 or 1"):
+        settings.stage_clocks()
+
+
+def test_stage_clocks_are_empty_without_the_cuda_kernels(monkeypatch):
+    """Only the NVLink kernels record them; other backends give {} even when asked."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    import jax_moe as jm
+
+    monkeypatch.setenv("JAX_MOE_STAGE_CLOCKS", "1")
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    cfg = jm.MoEConfig(num_experts=4, experts_per_token=2, hidden=128, max_tokens=8,
+                       dispatch_dtype=jnp.bfloat16)
+    comm = jm.Communicator(cfg, mesh, axis="ep", backend="xla")
+    assert comm.stage_clocks() == {}
+    comm.close()
