@@ -1,5 +1,5 @@
 """When the cuda backend goes through its host proxies (backends/cuda_proxy.py): the setting
-and the host-name check, without a GPU. The path itself runs on GPUs in
+and the host-name check, without a GPU; the stage-clock switch (cuda/stage_clock.cuh). The path itself runs on GPUs in
 gpu/test_cuda_backend.py (one process) and gpu/test_multiprocess.py (across processes)."""
 
 import types
@@ -11,20 +11,26 @@ from jax_moe import settings
 from jax_moe.backends import cuda_proxy
 
 
+SWITCHES = [("JAX_MOE_FORCE_REMOTE", settings.force_remote),
+            ("JAX_MOE_STAGE_CLOCKS", settings.stage_clocks)]
+
+
+@pytest.mark.parametrize("name, read", SWITCHES)
 @pytest.mark.parametrize("value, expected", [(None, False), ("0", False), ("1", True)])
-def test_force_remote_reads_the_environment(monkeypatch, value, expected):
+def test_switches_read_the_environment(monkeypatch, name, read, value, expected):
     if value is None:
-        monkeypatch.delenv("JAX_MOE_FORCE_REMOTE", raising=False)
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv("JAX_MOE_FORCE_REMOTE", value)
-    assert settings.force_remote() is expected
+        monkeypatch.setenv(name, value)
+    assert read() is expected
 
 
+@pytest.mark.parametrize("name, read", SWITCHES)
 @pytest.mark.parametrize("bad", ["yes", "2", "", " 1"])
-def test_force_remote_refuses_other_values(monkeypatch, bad):
-    monkeypatch.setenv("JAX_MOE_FORCE_REMOTE", bad)
-    with pytest.raises(ValueError, match="JAX_MOE_FORCE_REMOTE must be 0 or 1"):
-        settings.force_remote()
+def test_switches_refuse_other_values(monkeypatch, name, read, bad):
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
+        read()
 
 
 def fake_devices(processes):
@@ -63,21 +69,6 @@ def test_processes_on_other_hosts_are_found_by_name(monkeypatch, names, expected
     monkeypatch.setattr(cuda_proxy.socket, "gethostname", lambda: "this-host")
     assert cuda_proxy.spans_hosts(fake_devices([0, 1]), "test") is expected
     assert "this-host" in store.values.values()  # this process published its name
-
-
-@pytest.mark.parametrize("value, expected", [(None, False), ("0", False), ("1", True)])
-def test_stage_clocks_read_the_environment(monkeypatch, value, expected):
-    if value is None:
-        monkeypatch.delenv("JAX_MOE_STAGE_CLOCKS", raising=False)
-    else:
-        monkeypatch.setenv("JAX_MOE_STAGE_CLOCKS", value)
-    assert settings.stage_clocks() is expected
-
-
-def test_stage_clocks_refuse_other_values(monkeypatch):
-    monkeypatch.setenv("JAX_MOE_STAGE_CLOCKS", "on")
-    with pytest.raises(ValueError, match="JAX_MOE_STAGE_CLOCKS must be 0 or 1"):
-        settings.stage_clocks()
 
 
 def test_stage_clocks_are_empty_without_the_cuda_kernels(monkeypatch):
