@@ -1,5 +1,5 @@
 """jax-moe: expert-parallel MoE dispatch/combine and a small-message all-reduce for JAX
-(see DESIGN.md)."""
+(docs/architecture.md: layers and data flow; docs/semantics.md: the contract)."""
 
 from jax_moe.all_reduce import AllReduce
 from jax_moe.communicator import Communicator, available_backends

@@ -67,15 +67,15 @@ class Communicator:
   """Expert-parallel dispatch/combine over one mesh axis, or several (a tuple: ranks run
   row-major over them, experts are sharded over all of them).
 
-  Build it outside jit (it allocates and connects); call its methods inside
-  `jax.shard_map` over the mesh. See DESIGN.md for the API and docs/semantics.md for the
-  exact layout. With `replicated_over`, one of the axes along which the tokens are replicated
-  (a data-parallel group: attention tensor-parallel over that axis), each rank of a group
-  sends only its share of the group's `max_tokens` tokens and combine gives every rank of the
-  group all of the group's outputs (docs/semantics.md, DP groups). With `replicated_over`
-  naming every axis of the communicator, every rank holds every token: dispatch selects the
-  local experts' slots without communication and combine sums the ranks' partials, so every
-  rank gets every output (the replicated-input mode; combine_reduce "expert"; JAX only).
+  Build it outside jit (it allocates and connects); call its methods inside `jax.shard_map` over
+  the mesh. See docs/architecture.md for the layers and docs/semantics.md for the exact layout.
+  With `replicated_over`, one of the axes along which the tokens are replicated (a data-parallel
+  group: attention tensor-parallel over that axis), each rank of a group sends only its share of
+  the group's `max_tokens` tokens and combine gives every rank of the group all of the group's
+  outputs (docs/semantics.md, DP groups). With `replicated_over` naming every axis of the
+  communicator, every rank holds every token: dispatch selects the local experts' slots without
+  communication and combine sums the ranks' partials, so every rank gets every output (the
+  replicated-input mode; combine_reduce "expert"; JAX only).
   """
 
   def __init__(self, cfg: MoEConfig, mesh: jax.sharding.Mesh, axis="ep",
