@@ -2,18 +2,18 @@
 2 processes x 4 CPU devices on a loopback coordinator (tests/cli_worker.py runs the command
 in each process).
 
-A tiny Qwen3-MoE checkpoint written by transformers (f32, 8 experts, with the embedded
-tokenizer saved next to it) generates greedily for 9 prompts of 1-9 ids plus one text prompt
-(10 sequences: the batch is padded to 16 and sharded over the 8 devices): one process of 8
-devices gives transformers' tokens (prompt by prompt, near-ties excepted as in
-tests/models/test_generation.py), and 2 processes x 4 give the same tokens as one process,
-with the xla backend and with the host backend over shm. A process SIGKILLed mid-decode
+Tiny Qwen3-MoE and DeepSeek-V3 checkpoints written by transformers (f32, 8 routed experts,
+with the embedded tokenizer saved next to them) generate greedily for 9 prompts of 1-9 ids
+plus one text prompt (10 sequences: the batch is padded to 16 and sharded over the 8
+devices): one process of 8 devices gives transformers' tokens (prompt by prompt, near-ties
+excepted as in tests/models/test_generation.py), and 2 processes x 4 give the same tokens as
+one process, with the xla backend and with the host backend over shm and tcp;ofi_rxm. A process SIGKILLed mid-decode
 leaves its peer exiting 1 within 5 + 5 s naming the dead process (host backend over
 tcp;ofi_rxm, JAX_MOE_TIMEOUT_S=5): with the exchange's CommError when the peer died while the
 survivor waited in an exchange, else from the peer's stopped heartbeat (the survivor blocked
 in one of XLA's own gloo collectives, which have no timeout). The embedded tokenizer round-trips
 a text prompt. Every process has a hard time limit and is killed by pid past it.
-About 60-90 s on 2 cores (each job pays two jax starts and compiles).
+About 90 s on 2 cores (each job pays two jax starts and compiles).
 """
 
 import json
@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO / "tests" / "models"))  # hf_tiny, test_generation's
 
 from gpu.test_multiprocess import SHM, TCP, free_loopback_port, wait_all  # noqa: E402
 from hf_tiny import hf_greedy, qwen3_moe_kwargs, save_tiny  # noqa: E402
+from test_deepseek_v3 import tiny_config as deepseek_tiny_config  # noqa: E402
 from test_generation import _first_near_tie  # noqa: E402
 
 from jax_moe.backends import host_remote  # noqa: E402
@@ -106,19 +107,34 @@ def _job(folder, args, processes, env_extra=(), kill=None):
   return _launch(folder, argvs, _env(8 // processes, env_extra))
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def _save_checkpoint(config, folder):
   """(path, transformers model, prompt id lists): vocabulary 512 so the embedded tokenizer
   (saved in the directory as tokenizer.json) fits; EOS is ignored in the runs."""
-  from transformers import Qwen3MoeConfig
-
-  folder = tmp_path_factory.mktemp("qwen3")
-  hf_model, path = save_tiny(Qwen3MoeConfig(**qwen3_moe_kwargs(vocab_size=512,
-                                                               norm_topk_prob=True)), folder)
+  hf_model, path = save_tiny(config, folder)
   tokenizer.embedded(512).save(path)
   rng = np.random.default_rng(15)
   prompts = [rng.integers(0, 512, n).tolist() for n in (1, 9, 4, 2, 7, 3, 5, 8, 6)]
   return path, hf_model, prompts
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  """The tiny Qwen3-MoE (norm_topk_prob) checkpoint: _save_checkpoint's triple."""
+  from transformers import Qwen3MoeConfig
+
+  return _save_checkpoint(Qwen3MoeConfig(**qwen3_moe_kwargs(vocab_size=512,
+                                                            norm_topk_prob=True)),
+                          tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="module", params=["qwen3", "deepseek_v3"])
+def model_checkpoint(request, checkpoint, tmp_path_factory):
+  """Each model family's tiny checkpoint (DeepSeek-V3: MLA with YaRN, grouped routing, a
+  shared expert and a dense first layer; 8 routed experts, one per device)."""
+  if request.param == "qwen3":
+    return checkpoint
+  return _save_checkpoint(deepseek_tiny_config(vocab_size=512),
+                          tmp_path_factory.mktemp("deepseek_v3"))
 
 
 def _args(checkpoint, backend):
@@ -131,15 +147,15 @@ def _args(checkpoint, backend):
 
 
 @pytest.fixture(scope="module")
-def one_process(checkpoint, tmp_path_factory):
+def one_process(model_checkpoint, tmp_path_factory):
   """The JSON of one process on 8 devices (xla backend)."""
-  results, _ = _job(tmp_path_factory.mktemp("one"), _args(checkpoint, "xla"), 1)
+  results, _ = _job(tmp_path_factory.mktemp("one"), _args(model_checkpoint, "xla"), 1)
   assert results[0][0] == 0, _report(results)
   return _last_json(results[0][1])
 
 
-def test_one_process_gives_transformers_tokens(checkpoint, one_process):
-  _, hf_model, prompts = checkpoint
+def test_one_process_gives_transformers_tokens(model_checkpoint, one_process):
+  _, hf_model, prompts = model_checkpoint
   got = one_process
   text_ids = tokenizer.embedded(512).encode(TEXT)
   assert got["prompt_tokens"] == [text_ids] + prompts
@@ -158,9 +174,11 @@ def test_one_process_gives_transformers_tokens(checkpoint, one_process):
 @pytest.mark.parametrize("exchange,env", [
     ("xla", ()),
     pytest.param("host", SHM, marks=needs_fabric, id="host-shm"),
+    pytest.param("host", TCP, marks=needs_fabric, id="host-tcp"),
 ])
-def test_two_processes_give_one_process_tokens(checkpoint, one_process, tmp_path, exchange, env):
-  results, _ = _job(tmp_path, _args(checkpoint, exchange), 2, env)
+def test_two_processes_give_one_process_tokens(model_checkpoint, one_process, tmp_path,
+                                               exchange, env):
+  results, _ = _job(tmp_path, _args(model_checkpoint, exchange), 2, env)
   assert [code for code, _, _ in results] == [0, 0], _report(results)
   got = _last_json(results[0][1])
   assert got["tokens"] == one_process["tokens"]
