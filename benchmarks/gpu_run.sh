@@ -15,6 +15,9 @@
 #   ep1      on one GPU: bench_dispatch_combine.py --ep 1 (cuda and xla backends, the all_gather
 #            peer; expert mode with bf16 partials, source mode) and profile_kernels.py per
 #            kernel at decode and prefill (fp8, expert, bf16 partials); GIT_COMMIT names the code
+#   ep1_cmdbuf  the ep1 decode benchmark (expert mode, bf16 partials) with XLA command buffers
+#            forced on for fusions and custom calls: the launch gaps between a step's kernels
+#            are most of a decode step (docs/perf-notes.md); file suffix -cmdbuf
 #   allreduce  tests/gpu/test_all_reduce_gpu.py (1 and 2 GPUs in one process; the loop tests again
 #            with command buffers forced on for custom calls) and the 2-process job
 #   arbench  bench_all_reduce.py, bf16, 4 KiB..64 MiB, every method; GIT_COMMIT names the code
@@ -99,6 +102,15 @@ for step in "${steps[@]}"; do
           grep -E "busy span|us x" "$logs/profile_ep1_${tokens}_$op.log" | head -7
         done
       done ;;
+    ep1_cmdbuf)
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
+        timeout -s KILL 200 python3 benchmarks/bench_dispatch_combine.py --ep 1 \
+        --backends cuda,xla --peers all_gather --ops fused,split --reduce expert \
+        --partial-dtype bf16 --phases decode=128 --reps 3 --budget-s 4 \
+        --git-commit "${GIT_COMMIT:-unknown}" --out "$logs/bench-expert-cmdbuf" \
+        > "$logs/bench_ep1_cmdbuf.log" 2>&1
+      echo "bench ep1 cmdbuf: rc=$?"
+      tail -14 "$logs/bench_ep1_cmdbuf.log" ;;
     allreduce)
       suite all_reduce_gpu 240 -rs tests/gpu/test_all_reduce_gpu.py
       XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
