@@ -275,12 +275,14 @@ def _build_model(args, reader, mesh):
   from jax_moe.models import loader
 
   kwargs = dict(mesh=mesh, backend=args.backend, wire=args.wire,
+                expert_weights=args.expert_weights,
                 dtype={"bf16": jnp.bfloat16, "f32": jnp.float32}[args.dtype])
   if reader is None:
     return (models.tiny(args.model, seed=args.seed, **kwargs),
             f"{args.model} (embedded config, random weights, seed {args.seed})")
   model = models._build(reader.config, kwargs.pop("mesh"), models.DEFAULT_AXIS,
-                        kwargs["backend"], kwargs["dtype"], kwargs["wire"])
+                        kwargs["backend"], kwargs["dtype"], kwargs["wire"],
+                        kwargs["expert_weights"])
   return loader.load_weights(model, reader, progress=distributed.is_primary()), args.model
 
 
@@ -486,6 +488,10 @@ def _parser() -> argparse.ArgumentParser:
   generate.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
   generate.add_argument("--wire", choices=("bf16", "fp8", "exact"), default=None,
                         help="how MoE tokens travel (default: exact for f32, bf16 otherwise)")
+  generate.add_argument("--expert-weights", choices=("dtype", "fp8"), default="dtype",
+                        help="routed experts' weights: in --dtype (block-fp8 checkpoint weights "
+                             "dequantized on load) or block-fp8 codes and scales fed to the "
+                             "grouped GEMM (others quantized on load)")
   generate.add_argument("--batch", type=int, default=0,
                         help="random prompts: sequences (default: one per device)")
   generate.add_argument("--prompt-len", type=int, default=16,

@@ -5,17 +5,21 @@ its module lazily (`qwen3_moe` -> `jax_moe.models.qwen3_moe.Qwen3MoeForCausalLM`
 `deepseek_v3` -> `jax_moe.models.deepseek_v3.DeepseekV3ForCausalLM`).
 
 A model class subclasses `CausalLM` (an `nnx.Module`), which is built as
-`cls(config: dict, *, rules: ShardingRules, backend="auto", dtype=bf16, wire=None)` with
-`config` the parsed config.json; the class declares
+`cls(config: dict, *, rules: ShardingRules, backend="auto", dtype=bf16, wire=None,
+expert_weights="dtype")` with `config` the parsed config.json; `expert_weights` is how the
+routed experts hold their weights: "dtype" (the model dtype) or "fp8" (block-fp8,
+`grouped_gemm.BlockFp8Weights`, with the block of config.json's `quantization_config`, else
+128 x 128; see jax_moe.models.moe). The class declares
 
   config_class
       `config_class.from_hf(config)` -> a frozen dataclass (hashable, static values only: no
       dicts or lists of numbers, nnx would make them pytree leaves) with vocab_size,
       hidden_size, rms_norm_eps, tie_word_embeddings and num_hidden_layers; kept as `self.cfg`.
   layer_class
-      `layer_class(cfg, i, rules=, pool=, dtype=, wire=)`: decoder layer i, its parameters
-      abstract (`sharding.param`: shape, dtype, NamedSharding; no memory); its RoutedExperts
-      take `pool` (the model's CommunicatorPool) and `wire`.
+      `layer_class(cfg, i, rules=, pool=, dtype=, wire=, fp8_block=)`: decoder layer i, its
+      parameters abstract (`sharding.param`: shape, dtype, NamedSharding; no memory); its
+      RoutedExperts take `pool` (the model's CommunicatorPool), `wire` and `fp8_block` (None
+      for experts in the model dtype).
 
 and implements:
   checkpoint_map(self) -> dict[tuple, source]
@@ -49,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_moe.models import layers
+from jax_moe.models import fp8_weights, layers
 from jax_moe.models.checkpoint import CheckpointError, Tensor, linear
 from jax_moe.models.moe import CommunicatorPool
 from jax_moe.models.sharding import ShardingRules
@@ -58,6 +62,7 @@ MODEL_TYPES = {
     "qwen3_moe": ("jax_moe.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "deepseek_v3": ("jax_moe.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }
+EXPERT_WEIGHTS = ("dtype", "fp8")  # how routed experts hold their weights (module docstring)
 
 
 def model_class(model_type: str) -> type:
@@ -92,15 +97,21 @@ class CausalLM(nnx.Module):
   layer_class: type
 
   def __init__(self, config: dict, *, rules: ShardingRules, backend: str = "auto",
-               dtype=jnp.bfloat16, wire: str | None = None):
+               dtype=jnp.bfloat16, wire: str | None = None, expert_weights: str = "dtype"):
     """The decoder trunk: embed_tokens [V, D], layers, final norm, lm_head (None if tied)."""
+    if expert_weights not in EXPERT_WEIGHTS:
+      raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
+    fp8_block = self.expert_fp8_block = (
+        (fp8_weights.block_size_from_config(config) or fp8_weights.DEFAULT_BLOCK)
+        if expert_weights == "fp8" else None)
     self.rules = rules
     self.dtype = jnp.dtype(dtype)
     self.pool = CommunicatorPool(rules, backend)
     cfg = self.cfg = self.config_class.from_hf(config)
     kw = dict(rules=rules, dtype=self.dtype)
     self.embed_tokens = layers.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
-    self.layers = nnx.List([self.layer_class(cfg, i, pool=self.pool, wire=wire, **kw)
+    self.layers = nnx.List([self.layer_class(cfg, i, pool=self.pool, wire=wire,
+                                             fp8_block=fp8_block, **kw)
                             for i in range(cfg.num_hidden_layers)])
     self.norm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
     self.lm_head = (None if cfg.tie_word_embeddings else
@@ -172,7 +183,9 @@ class CausalLM(nnx.Module):
   def layout(self) -> str:
     mesh = self.rules.mesh
     R = self.rules.axis_size
+    block = self.expert_fp8_block
+    experts = "" if block is None else f", routed experts block-fp8 ({block[0]}x{block[1]} blocks)"
     return (f"mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} "
             f"device(s); attention data-parallel over batch on '{self.rules.axis}', experts "
             f"sharded over '{self.rules.axis}' ({R} way), MoE exchange backend "
-            f"'{self.pool.backend_name}', dtype {self.dtype.name}")
+            f"'{self.pool.backend_name}', dtype {self.dtype.name}{experts}")

@@ -7,7 +7,7 @@ the checkpoint tensors it needs, checks the shape it yields against the paramete
 *parameter*; sources translate it to the checkpoint's orientation). `reader` is a
 `loader.CheckpointReader`: `reader.has(name)`, `reader.shape(name)`,
 `reader.read(name, index)` -> numpy f32/bf16/... slice (fp8 block-scaled weights come back
-dequantized).
+dequantized), `reader.read_stored(name, index)` -> the slice as stored (fp8 codes as codes).
 
 Sources:
   Tensor(name, transpose=False)   one tensor; transpose=True for torch nn.Linear weights
@@ -19,6 +19,10 @@ Sources:
                                   [E, out_total, in] tensor (transformers >= 5 in-memory
                                   layout, e.g. `experts.gate_up_proj` [E, 2F, D]) whose
                                   `fused_part`-th of `fused_parts` chunks along dim 1 is taken.
+                                  A block-fp8 parameter (`grouped_gemm.BlockFp8Weights`) reads
+                                  per-expert codes and scales as stored (`stored_fp8`,
+                                  `read_codes`, `read_scales`); the loader quantizes `read`'s
+                                  values when the checkpoint has none.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+from jax_moe.models.fp8_weights import SCALE_SUFFIX
 
 
 class CheckpointError(ValueError):
@@ -105,6 +111,32 @@ class StackedExperts:
       w_eoi = reader.read(self.fused, (slice(e0, e1), slice(base + o0, base + o1), slice(i0, i1)))
       return np.swapaxes(w_eoi, 1, 2)
     return np.stack([reader.read(self.per_expert.format(e=e), (slice(o0, o1), slice(i0, i1))).T
+                     for e in range(e0, e1)])
+
+  # block-fp8 weights as the checkpoint stores them: per expert, codes [out, in] + scales
+  def stored_fp8(self, reader) -> bool:
+    return (self._layout(reader) == "per_expert"
+            and reader.has(self.per_expert.format(e=0) + SCALE_SUFFIX))
+
+  def read_codes(self, reader, index) -> np.ndarray:
+    """The slice `index` of the codes [E, out, in] (e4m3), in the stored orientation."""
+    return self._read_stacked(reader, "", index)
+
+  def read_scales(self, reader, index) -> np.ndarray:
+    """The slice `index` of the scales [E, ceil(out/bo), ceil(in/bi)] (f32)."""
+    return self._read_stacked(reader, SCALE_SUFFIX, index)
+
+  def scales_shape(self, reader) -> tuple[int, ...]:
+    shapes = {tuple(reader.shape(self.per_expert.format(e=e) + SCALE_SUFFIX))
+              for e in range(self.num_experts)}
+    if len(shapes) != 1:
+      raise CheckpointError(f"{self.per_expert}{SCALE_SUFFIX}: experts have different shapes "
+                            f"{sorted(shapes)}")
+    return (self.num_experts, *shapes.pop())
+
+  def _read_stacked(self, reader, suffix: str, index) -> np.ndarray:
+    e0, e1 = _bounds(index[0], self.num_experts)
+    return np.stack([reader.read_stored(self.per_expert.format(e=e) + suffix, tuple(index[1:]))
                      for e in range(e0, e1)])
 
 

@@ -146,12 +146,12 @@ class TopkRouter(nnx.Module):
 class DeepseekV3MoE(nnx.Module):
   """Routed experts through jax_moe's exchange, plus the shared experts on every token."""
 
-  def __init__(self, cfg: DeepseekV3Config, *, rules, pool, dtype, wire):
+  def __init__(self, cfg: DeepseekV3Config, *, rules, pool, dtype, wire, fp8_block):
     routing = cfg.routing
     self.gate = TopkRouter(routing, cfg.hidden_size, rules=rules)
     self.experts = RoutedExperts(routing.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                  experts_per_token=routing.top_k, rules=rules, pool=pool,
-                                 dtype=dtype, wire=wire)
+                                 dtype=dtype, wire=wire, fp8_block=fp8_block)
     self.shared_experts = (layers.DenseMLP(cfg.hidden_size,
                                            cfg.moe_intermediate_size * cfg.n_shared_experts,
                                            rules=rules, dtype=dtype)
@@ -164,14 +164,15 @@ class DeepseekV3MoE(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, cfg: DeepseekV3Config, i: int, *, rules, pool, dtype, wire):
+  def __init__(self, cfg: DeepseekV3Config, i: int, *, rules, pool, dtype, wire, fp8_block):
     norm = lambda: layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rules=rules, dtype=dtype)
     self.input_layernorm = norm()
     self.self_attn = MultiHeadLatentAttention(cfg.attention, rules=rules, dtype=dtype)
     self.post_attention_layernorm = norm()
     self.is_moe = cfg.is_moe_layer(i)
     if self.is_moe:
-      self.mlp = DeepseekV3MoE(cfg, rules=rules, pool=pool, dtype=dtype, wire=wire)
+      self.mlp = DeepseekV3MoE(cfg, rules=rules, pool=pool, dtype=dtype, wire=wire,
+                               fp8_block=fp8_block)
     else:
       self.mlp = layers.DenseMLP(cfg.hidden_size, cfg.intermediate_size, rules=rules, dtype=dtype)
 

@@ -6,7 +6,10 @@ sharded weight is read from disk without a full host copy (`jax.make_array_from_
 an fp8 weight with block scales is dequantized per slice (f32; only the blocks the slice
 touches).
 bf16 and fp8 tensors are viewed with ml_dtypes; fp8 weights that come with a
-`weight_scale_inv` are dequantized by `fp8_weights.dequantize_block_fp8` (DeepSeek).
+`weight_scale_inv` are dequantized by `fp8_weights.dequantize_block_fp8` (DeepSeek), except
+into a block-fp8 parameter (`grouped_gemm.BlockFp8Weights`, the routed experts of a model
+built with expert_weights="fp8"): that one gets each device's slice of the codes and scales
+as stored, or, from a checkpoint without them, the weights quantized on device.
 
 Why not `safetensors.safe_open`: its numpy reader cannot return F8_E4M3 tensors (safetensors
 0.8: "module 'numpy' has no attribute 'float8_e4m3fn'"), which DeepSeek checkpoints are made
@@ -22,10 +25,13 @@ import os
 import struct
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_moe.grouped_gemm import BlockFp8Weights
 from jax_moe.models.checkpoint import CheckpointError
 from jax_moe.models import fp8_weights
 
@@ -82,6 +88,11 @@ class CheckpointReader:
   def has(self, name: str) -> bool:
     return name in self._entries
 
+  @property
+  def fp8_block(self) -> tuple[int, int]:
+    """The (out, in) block of the checkpoint's fp8 scales."""
+    return fp8_weights.block_size_from_config(self.config) or fp8_weights.DEFAULT_BLOCK
+
   def shape(self, name: str) -> tuple[int, ...]:
     if name not in self._entries:
       raise CheckpointError(f"{self.path}: checkpoint has no tensor {name!r}")
@@ -96,8 +107,12 @@ class CheckpointReader:
     index = tuple(index) if index is not None else (slice(None),) * len(self.shape(name))
     scale_name = name + fp8_weights.SCALE_SUFFIX
     if self.has(scale_name):
-      block = fp8_weights.block_size_from_config(self.config) or fp8_weights.DEFAULT_BLOCK
-      return self._dequantized_slice(name, scale_name, index, block)
+      return self._dequantized_slice(name, scale_name, index, self.fp8_block)
+    return self.read_stored(name, index)
+
+  def read_stored(self, name: str, index=None) -> np.ndarray:
+    """The slice `index` of tensor `name` as stored (fp8 codes stay codes), a numpy copy."""
+    index = tuple(index) if index is not None else (slice(None),) * len(self.shape(name))
     return np.array(self._array(name)[index])
 
   def _dequantized_slice(self, name: str, scale_name: str, index, block) -> np.ndarray:
@@ -186,9 +201,30 @@ def load_weights(model, reader: CheckpointReader, progress: bool = True):
   for path, variable in _progress(list(flat), f"loading {os.path.basename(reader.path)}", progress):
     if not isinstance(variable, nnx.Param):
       continue
-    source = sources[path]
-    variable.set_value(_place(variable.get_value(), lambda index, s=source: s.read(reader, index)))
+    source, abstract = sources[path], variable.get_value()
+    if isinstance(abstract, BlockFp8Weights):
+      variable.set_value(_place_fp8(abstract, source, reader, _path_name(path)))
+    else:
+      variable.set_value(_place(abstract, lambda index, s=source: s.read(reader, index)))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _place_fp8(abstract: BlockFp8Weights, source, reader: CheckpointReader, name: str):
+  """A block-fp8 parameter: the checkpoint's codes and scales, each device's slice read as
+  stored; or, from a checkpoint without them, its weights (f32) quantized on device."""
+  if not source.stored_fp8(reader):
+    return _quantized(_place(_dense_abstract(abstract), lambda index: source.read(reader, index)),
+                      abstract)
+  if reader.fp8_block != abstract.block:
+    raise CheckpointError(f"{reader.path}: fp8 block {reader.fp8_block} for parameter {name}, "
+                          f"the model was built for {abstract.block}")
+  scales_shape = source.scales_shape(reader)
+  if scales_shape != abstract.scales.shape:
+    raise CheckpointError(f"{reader.path}: scales of parameter {name} have shape {scales_shape}, "
+                          f"its codes and block {abstract.block} need {abstract.scales.shape}")
+  return BlockFp8Weights(_place(abstract.codes, lambda index: source.read_codes(reader, index)),
+                         _place(abstract.scales, lambda index: source.read_scales(reader, index)),
+                         abstract.block)
 
 
 def random_weights(model, seed: int = 0):
@@ -205,12 +241,39 @@ def random_weights(model, seed: int = 0):
       continue
     abstract = variable.get_value()
     scale = model.init_scale(path, abstract.shape)
-    variable.set_value(_random_array(jax.random.fold_in(key, i), abstract, scale))
+    key_i = jax.random.fold_in(key, i)
+    if isinstance(abstract, BlockFp8Weights):  # the f32 draw, quantized
+      variable.set_value(_quantized(_random_array(key_i, _dense_abstract(abstract), scale),
+                                    abstract))
+    else:
+      variable.set_value(_random_array(key_i, abstract, scale))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def _random_array(key, abstract: jax.ShapeDtypeStruct, scale: float | None):
   return _random_fn(abstract.shape, abstract.dtype, abstract.sharding, scale)(key)
+
+
+def _dense_abstract(abstract: BlockFp8Weights) -> jax.ShapeDtypeStruct:
+  """The f32 [G, K, N] weight that `abstract` quantizes, sharded as its codes [G, N, K]."""
+  spec = tuple(abstract.codes.sharding.spec) + (None,) * 3
+  sharding = NamedSharding(abstract.codes.sharding.mesh, P(spec[0], spec[2], spec[1]))
+  return jax.ShapeDtypeStruct(abstract.shape, jnp.float32, sharding=sharding)
+
+
+def _quantized(w_gkn: jax.Array, abstract: BlockFp8Weights) -> BlockFp8Weights:
+  codes, scales = _quantize_fn(abstract.block, abstract.codes.sharding,
+                               abstract.scales.sharding)(w_gkn)
+  return BlockFp8Weights(codes, scales, abstract.block)
+
+
+@functools.lru_cache(maxsize=None)
+def _quantize_fn(block, codes_sharding, scales_sharding):
+  """BlockFp8Weights.quantize on device, compiled once per (block, shardings)."""
+  def quantize(w_gkn):
+    w8 = BlockFp8Weights.quantize(w_gkn, block)
+    return w8.codes, w8.scales
+  return jax.jit(quantize, out_shardings=(codes_sharding, scales_sharding))
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,7 +7,7 @@ Hopper where it applies, jax.lax.ragged_dot elsewhere); `GEMM_IMPLEMENTATION` pi
 Contract (what the models rely on):
 
   experts = RoutedExperts(num_experts, dim, hidden, experts_per_token=K, rules=..., pool=...,
-                          dtype=...)
+                          dtype=..., fp8_block=None)
   y_td = experts(x_td, topk_ids_tk, topk_weights_tk)
 
   - `x_td` [T, D] in the model dtype (or [B, S, D]; the leading dims are flattened and
@@ -15,7 +15,14 @@ Contract (what the models rely on):
     `topk_weights_tk` [T, K] f32, already normalised/scaled as the model wants; the block
     returns sum_k w[t, k] * expert_{ids[t, k]}(x[t]) in the model dtype.
   - Weights `w_gate_edf`, `w_up_edf` [E, D, F] and `w_down_efd` [E, F, D], sharded over
-    the expert axis (logical axis "experts"): device r holds experts [r*L, (r+1)*L).
+    the expert axis (logical axis "experts"): device r holds experts [r*L, (r+1)*L). In
+    the model dtype, or with `fp8_block=(bn, bk)` as `grouped_gemm.BlockFp8Weights` of that
+    logical shape (e4m3 codes [E, out, in], the checkpoint's own layout, with one f32 scale
+    per bn x bk block; `sharding.fp8_param`), sharded the same way and fed to the grouped
+    GEMM as they are: where tokamax's fp8 kernel applies (Hopper, bf16 rows, the
+    conditions in grouped_gemm) it reads half the bytes of bf16 weights; elsewhere (CPU, f32
+    models, the "exact" wire) each call dequantizes them (f32 product, rounded to the model dtype, as the
+    loader's dequantizing path rounds them), which gives the bf16-copy model's results.
   - Tokens are data-parallel over the same axis: T is padded to R * ceil(T / R) and each
     device dispatches its ceil(T / R) rows (the real count is passed as `num_tokens`, so
     padding rows are never sent). Works inside or outside jit, with any jax_moe backend.
@@ -45,7 +52,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe as jm
 from jax_moe import grouped_gemm
-from jax_moe.models.sharding import ShardingRules, param
+from jax_moe.grouped_gemm import BlockFp8Weights
+from jax_moe.models.sharding import ShardingRules, fp8_param, param
 from jax_moe.sharding import shard_map
 
 WIRES = ("exact", "bf16", "fp8")
@@ -148,7 +156,8 @@ class RoutedExperts(nnx.Module):
   """E SwiGLU experts, sharded over the expert axis, fed through jax_moe dispatch/combine."""
 
   def __init__(self, num_experts: int, dim: int, hidden: int, *, experts_per_token: int,
-               rules: ShardingRules, pool: CommunicatorPool, dtype, wire: str | None = None):
+               rules: ShardingRules, pool: CommunicatorPool, dtype, wire: str | None = None,
+               fp8_block: tuple[int, int] | None = None):
     wire = wire or default_wire(dtype)
     if wire not in WIRES:
       raise ValueError(f"RoutedExperts: wire must be one of {WIRES}, got {wire!r}")
@@ -158,11 +167,18 @@ class RoutedExperts(nnx.Module):
     self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
     self.experts_per_token = experts_per_token
     self.wire = wire
+    self.dtype = jnp.dtype(dtype)
     self.rules = rules
     self.pool = pool
-    self.w_gate_edf = param(rules, (num_experts, dim, hidden), ("experts", "embed", "mlp"), dtype)
-    self.w_up_edf = param(rules, (num_experts, dim, hidden), ("experts", "embed", "mlp"), dtype)
-    self.w_down_efd = param(rules, (num_experts, hidden, dim), ("experts", "mlp", "embed"), dtype)
+
+    def weight(shape, logical_axes):
+      if fp8_block is None:
+        return param(rules, shape, logical_axes, dtype)
+      return fp8_param(rules, shape, logical_axes, fp8_block)
+
+    self.w_gate_edf = weight((num_experts, dim, hidden), ("experts", "embed", "mlp"))
+    self.w_up_edf = weight((num_experts, dim, hidden), ("experts", "embed", "mlp"))
+    self.w_down_efd = weight((num_experts, hidden, dim), ("experts", "mlp", "embed"))
     pool.register(self)
 
   def tokens_per_shard(self, num_tokens: int) -> int:
@@ -203,8 +219,9 @@ class RoutedExperts(nnx.Module):
     ax = self.rules.axis
     fn = shard_map(lambda *a: per_shard(comm, T, Tp, *a), self.rules.mesh,
                    in_specs=(P(ax), P(ax), P(ax), P(ax), P(ax), P(ax)), out_specs=P(ax))
-    y_td = fn(x_td, ids_tk, weights_tk, self.w_gate_edf[...], self.w_up_edf[...],
-              self.w_down_efd[...])
+    # get_value, not [...]: a BlockFp8Weights is a pytree, P(ax) shards each of its arrays
+    y_td = fn(x_td, ids_tk, weights_tk, self.w_gate_edf.get_value(), self.w_up_edf.get_value(),
+              self.w_down_efd.get_value())
     return y_td[:T].reshape(*lead_shape, D)
 
   # ---------------------------------------------------------------- per shard
@@ -215,18 +232,19 @@ class RoutedExperts(nnx.Module):
 
   @staticmethod
   def _experts(rows, group_sizes, w_gate, w_up, w_down, precision):
-    """SwiGLU of each row with its local expert: grouped GEMMs over the dispatched layout."""
+    """SwiGLU of each row with its local expert: grouped GEMMs over the dispatched layout,
+    the hidden activation rounded to the rows' dtype (arrays or BlockFp8Weights)."""
     dot = lambda a, w: grouped_gemm.ragged_dot(a, w, group_sizes, precision=precision,
                                                preferred_element_type=jnp.float32,
                                                implementation=GEMM_IMPLEMENTATION)
     gate, up = dot(rows, w_gate), dot(rows, w_up)
-    h = (jax.nn.silu(gate) * up).astype(w_down.dtype)
+    h = (jax.nn.silu(gate) * up).astype(rows.dtype)
     return dot(h, w_down)
 
   def _wire_shard(self, comm, T, Tp, x_td, ids_tk, weights_tk, w_gate, w_up, w_down):
     r = comm.dispatch(x_td.astype(jnp.bfloat16), ids_tk, weights_tk, self._real_tokens(T, Tp))
     rows = (jm.dequantize_fp8(r.x, r.scales, jnp.bfloat16) if comm.cfg.is_fp8 else r.x)
-    y = self._experts(rows.astype(w_gate.dtype), r.group_sizes, w_gate, w_up, w_down, None)
+    y = self._experts(rows.astype(self.dtype), r.group_sizes, w_gate, w_up, w_down, None)
     out = comm.combine(y.astype(jnp.bfloat16), r.handle)
     return out.astype(x_td.dtype)
 
@@ -238,8 +256,10 @@ class RoutedExperts(nnx.Module):
     ones = jnp.where(ids >= 0, 1.0, 0.0).astype(jnp.float32)
     r = comm.dispatch(x_parts, ids, ones, self._real_tokens(T, Tp) * K)
     rows = join_f32(r.x)
-    y = self._experts(rows, r.group_sizes, w_gate.astype(jnp.float32), w_up.astype(jnp.float32),
-                      w_down.astype(jnp.float32), jax.lax.Precision.HIGHEST)
+    # fp8 weights are dequantized in f32 by the GEMM (x's dtype), exactly as stored
+    f32 = lambda w: w if isinstance(w, BlockFp8Weights) else w.astype(jnp.float32)
+    y = self._experts(rows, r.group_sizes, f32(w_gate), f32(w_up), f32(w_down),
+                      jax.lax.Precision.HIGHEST)
     y_parts = comm.combine(split_f32(y), r.handle)                      # [Tp*K, 3D], exact
     y_tkd = join_f32(y_parts).reshape(Tp, K, self.dim)
     out = jnp.zeros((Tp, self.dim), jnp.float32)

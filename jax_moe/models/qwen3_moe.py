@@ -113,7 +113,7 @@ class Attention(nnx.Module):
 class SparseMoe(nnx.Module):
   """Softmax top-k router + routed experts (no shared expert in Qwen3-MoE)."""
 
-  def __init__(self, cfg: Qwen3MoeConfig, *, rules, pool, dtype, wire):
+  def __init__(self, cfg: Qwen3MoeConfig, *, rules, pool, dtype, wire, fp8_block):
     self.top_k = cfg.num_experts_per_tok
     self.norm_topk_prob = cfg.norm_topk_prob
     self.rules = rules
@@ -121,7 +121,7 @@ class SparseMoe(nnx.Module):
                                 rules=rules, dtype=dtype)
     self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                  experts_per_token=cfg.num_experts_per_tok, rules=rules,
-                                 pool=pool, dtype=dtype, wire=wire)
+                                 pool=pool, dtype=dtype, wire=wire, fp8_block=fp8_block)
 
   def __call__(self, x_bsd):
     logits = self.router(x_bsd)
@@ -135,14 +135,15 @@ class SparseMoe(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, cfg: Qwen3MoeConfig, i: int, *, rules, pool, dtype, wire):
+  def __init__(self, cfg: Qwen3MoeConfig, i: int, *, rules, pool, dtype, wire, fp8_block):
     self.input_norm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rules=rules, dtype=dtype)
     self.attn = Attention(cfg, rules=rules, dtype=dtype)
     self.post_attn_norm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rules=rules,
                                          dtype=dtype)
     self.is_moe = cfg.is_moe_layer(i)
     if self.is_moe:
-      self.mlp = SparseMoe(cfg, rules=rules, pool=pool, dtype=dtype, wire=wire)
+      self.mlp = SparseMoe(cfg, rules=rules, pool=pool, dtype=dtype, wire=wire,
+                           fp8_block=fp8_block)
     else:
       self.mlp = layers.DenseMLP(cfg.hidden_size, cfg.intermediate_size, rules=rules, dtype=dtype)
 

@@ -15,7 +15,8 @@ on 8 devices keeps the batch replicated); `spec_for` applies that rule.
 Parameters are created abstract (`param`): an `nnx.Param` holding a `jax.ShapeDtypeStruct`
 with its `NamedSharding`, and the logical axes as metadata (`logical_axes`). The loader
 (`jax_moe.models.loader`) or the random initializer then places each value directly with that
-sharding, so no device ever holds a full host copy of a sharded weight.
+sharding, so no device ever holds a full host copy of a sharded weight. A block-fp8
+parameter (`fp8_param`) holds a `grouped_gemm.BlockFp8Weights` of two such abstract arrays.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ import dataclasses
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax_moe.grouped_gemm import BlockFp8Weights
 
 DEFAULT_AXIS = "ep"
 # logical axes that follow the expert-parallel mesh axis; everything else is replicated
@@ -111,3 +115,19 @@ def param(rules: ShardingRules, shape: Sequence[int], logical_axes: Sequence[str
   sharding = rules.sharding(shape, logical_axes)
   return nnx.Param(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
                    logical_axes=tuple(logical_axes))
+
+
+def fp8_param(rules: ShardingRules, shape_gkn: Sequence[int], logical_axes: Sequence[str | None],
+              block: tuple[int, int]) -> nnx.Param:
+  """An abstract block-fp8 parameter of logical shape [G, K, N] (what `param` would hold):
+  a BlockFp8Weights of codes [G, N, K] and scales [G, ceil(N/bn), ceil(K/bk)], both sharded
+  over G's axis as `param` would shard it. The codes' other dims follow their logical axes
+  (K, N); each scale block spans many codes, so the scales keep their other dims whole."""
+  g, k, n = (int(s) for s in shape_gkn)
+  axis_g, axis_k, axis_n = logical_axes
+  codes_gnk = jax.ShapeDtypeStruct((g, n, k), jnp.float8_e4m3fn,
+                                   sharding=rules.sharding((g, n, k), (axis_g, axis_n, axis_k)))
+  scales_shape = (g, -(-n // block[0]), -(-k // block[1]))
+  scales = jax.ShapeDtypeStruct(scales_shape, jnp.float32,
+                                sharding=rules.sharding(scales_shape, (axis_g, None, None)))
+  return nnx.Param(BlockFp8Weights(codes_gnk, scales, block), logical_axes=tuple(logical_axes))

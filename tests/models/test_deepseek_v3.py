@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 import hf_tiny
 from meshes import make_mesh
 from jax_moe import models
+from jax_moe.grouped_gemm import BlockFp8Weights
 from jax_moe.models import deepseek_v3, loader, mla, yarn
 from jax_moe.models.checkpoint import CheckpointError
 from jax_moe.models.sharding import ShardingRules
@@ -288,8 +290,9 @@ def _save_deepseek(directory, seed, **overrides):
   return model, path
 
 
-def _load(path, mesh, backend, dtype=jnp.float32):
-  return models.from_pretrained(path, mesh=mesh, backend=backend, dtype=dtype, progress=False)
+def _load(path, mesh, backend, dtype=jnp.float32, **kwargs):
+  return models.from_pretrained(path, mesh=mesh, backend=backend, dtype=dtype, progress=False,
+                                **kwargs)
 
 
 
@@ -394,11 +397,11 @@ def _is_quantized_in_deepseek(name, tensor):
           and "lm_head" not in name)
 
 
-def test_fp8_checkpoint_loads_like_its_dequantized_weights(saved, tmp_path, rng, ep_mesh,
-                                                          backend):
-  """An fp8 checkpoint (codes + weight_scale_inv, partial edge blocks, an MTP layer that must
-  be skipped) gives the logits of an f32 checkpoint of its dequantized weights, and those
-  are transformers' logits for the same weights."""
+@pytest.fixture(scope="module")
+def fp8_saved(saved, tmp_path_factory):
+  """(transformers model, fp8 checkpoint dir, f32 checkpoint of its dequantized weights,
+  the fp8 checkpoint's tensors): codes + weight_scale_inv with partial edge blocks, and an
+  MTP layer that must be skipped."""
   hf_model, path = saved("qlora_dense1_norm_yarn_groups2")
   tensors = load_file(f"{path}/model.safetensors")
   fp8, dequantized = {}, {}
@@ -413,6 +416,7 @@ def test_fp8_checkpoint_loads_like_its_dequantized_weights(saved, tmp_path, rng,
       torch.randn(32, 64), FP8_BLOCK)
   fp8[f"{mtp}.enorm.weight"] = torch.ones(32)
   config = json.load(open(f"{path}/config.json"))
+  tmp_path = tmp_path_factory.mktemp("fp8")
   fp8_dir, f32_dir = tmp_path / "fp8", tmp_path / "dequantized"
   for directory, state, extra in (
       (fp8_dir, fp8, {"num_nextn_predict_layers": 1,
@@ -424,16 +428,114 @@ def test_fp8_checkpoint_loads_like_its_dequantized_weights(saved, tmp_path, rng,
     save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"),
               metadata={"format": "pt"})
     json.dump(dict(config, **extra), open(directory / "config.json", "w"))
+  return hf_model, str(fp8_dir), str(f32_dir), fp8
 
+
+def test_fp8_checkpoint_loads_like_its_dequantized_weights(fp8_saved, rng, ep_mesh, backend):
+  """An fp8 checkpoint gives the logits of an f32 checkpoint of its dequantized weights, and
+  those are transformers' logits for the same weights."""
+  hf_model, fp8_dir, f32_dir, _ = fp8_saved
   ids = hf_tiny.random_ids(rng, batch=2, seq=7, vocab=hf_model.config.vocab_size)
-  from_fp8 = models.forward(_load(str(fp8_dir), ep_mesh, backend), ids)
-  from_f32 = models.forward(_load(str(f32_dir), ep_mesh, backend), ids)
+  from_fp8 = models.forward(_load(fp8_dir, ep_mesh, backend), ids)
+  from_f32 = models.forward(_load(f32_dir, ep_mesh, backend), ids)
   np.testing.assert_array_equal(np.asarray(from_fp8), np.asarray(from_f32))
-  reference = transformers.AutoModelForCausalLM.from_pretrained(str(f32_dir), dtype=torch.float32)
+  reference = transformers.AutoModelForCausalLM.from_pretrained(f32_dir, dtype=torch.float32)
   err = _close(from_fp8, hf_tiny.hf_logits(reference.eval(), ids))
   print(f"fp8 checkpoint vs transformers on its dequantized weights: {err:.2e}")
   # The quantization really changed the weights: the original model's logits differ.
   assert not np.allclose(np.asarray(from_fp8), hf_tiny.hf_logits(hf_model, ids), atol=1e-3)
+
+
+def _assert_quantized(w8, dense):
+  """w8 is BlockFp8Weights.quantize(dense): the same codes, the scales (amax / 448) within
+  one f32 rounding (compiled in the loader, XLA may multiply by 1/448 instead)."""
+  want = BlockFp8Weights.quantize(dense, w8.block)
+  np.testing.assert_array_equal(np.asarray(w8.codes).view(np.uint8),
+                                np.asarray(want.codes).view(np.uint8))
+  np.testing.assert_allclose(np.asarray(w8.scales), np.asarray(want.scales), rtol=2 ** -23)
+
+
+# Experts kept as fp8 (expert_weights="fp8"). The exchange backend does not touch how the
+# experts hold their weights: these run on "xla" only.
+
+def test_fp8_experts_kept_give_the_dequantizing_load_logits(fp8_saved, rng, ep_mesh):
+  """bf16 models of the fp8 checkpoint: the experts kept as its codes and scales (stored
+  bits, block, sharded over the experts like the bf16 weights) give the logits of the default
+  load, which holds bf16 copies: bit for bit on CPU, where the GEMM dequantizes them as the
+  loader does (f32 product, rounded once to bf16)."""
+  hf_model, fp8_dir, _, fp8 = fp8_saved
+  ids = hf_tiny.random_ids(rng, batch=8, seq=3, vocab=hf_model.config.vocab_size)
+  model = _load(fp8_dir, ep_mesh, "xla", jnp.bfloat16)
+  kept = _load(fp8_dir, ep_mesh, "xla", jnp.bfloat16, expert_weights="fp8")
+  w8 = kept.layers[1].mlp.experts.w_down_efd.get_value()
+  dense = model.layers[1].mlp.experts.w_down_efd.get_value()
+  assert isinstance(w8, BlockFp8Weights) and w8.block == FP8_BLOCK and w8.shape == dense.shape
+  np.testing.assert_array_equal(np.asarray(w8.codes[3]).view(np.uint8),
+                                fp8["model.layers.1.mlp.experts.3.down_proj.weight"].view(
+                                    torch.uint8).numpy())
+  for part in (w8.codes, w8.scales):
+    assert part.sharding.spec[0] == dense.sharding.spec[0] == "ep"
+    assert ([s.index[0] for s in part.addressable_shards]
+            == [s.index[0] for s in dense.addressable_shards])
+  np.testing.assert_array_equal(np.asarray(models.forward(kept, ids)),
+                                np.asarray(models.forward(model, ids)))
+
+
+def test_random_fp8_experts_equal_their_dequantized_copy(rng, ep_mesh):
+  """f32 models (the exact exchange) with random weights: the fp8 model's experts are the
+  dense model's draw quantized (BlockFp8Weights.quantize), and the dense model holding their
+  dequantized copy gives its logits bit for bit; the unquantized draw does not."""
+  config = dict(tiny_config(n_routed_experts=16, n_group=4, topk_group=2).to_dict(),
+                quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
+  build = lambda **kw: models.from_config(config, mesh=ep_mesh, backend="xla",
+                                          dtype=jnp.float32, seed=3, **kw)
+  fp8_model, model = build(expert_weights="fp8"), build()
+  w8 = fp8_model.layers[1].mlp.experts.w_gate_edf.get_value()
+  dense = model.layers[1].mlp.experts.w_gate_edf.get_value()
+  assert w8.block == (16, 16) and w8.scales.shape == (16, 1, 2)  # 16 x 32 per expert
+  _assert_quantized(w8, dense)
+
+  ids = hf_tiny.random_ids(rng, batch=8, seq=3, vocab=config["vocab_size"])
+  got = np.asarray(models.forward(fp8_model, ids))
+  unquantized = np.asarray(models.forward(model, ids))
+  for layer, layer_fp8 in zip(model.layers, fp8_model.layers):
+    if layer.is_moe:
+      for name in ("w_gate_edf", "w_up_edf", "w_down_efd"):
+        variable = getattr(layer.mlp.experts, name)
+        w = getattr(layer_fp8.mlp.experts, name).get_value().dequantize(jnp.float32)
+        variable.set_value(jax.device_put(w, variable.get_value().sharding))
+  np.testing.assert_array_equal(got, np.asarray(models.forward(model, ids)))
+  err = np.max(np.abs(got - unquantized)) / np.max(np.abs(unquantized))
+  print(f"fp8 experts vs their unquantized draw (f32): {err:.2e}")
+  assert err > 1e-3
+
+
+def test_dense_checkpoint_is_quantized_on_load(saved, ep_mesh):
+  """expert_weights="fp8" from a checkpoint without fp8 tensors: the experts' weights as
+  BlockFp8Weights.quantize makes them (128 x 128 blocks: no quantization_config)."""
+  _, path = saved("qlora_dense1_norm_yarn_groups2")
+  dense = _load(path, ep_mesh, "xla").layers[1].mlp.experts.w_up_edf.get_value()
+  w8 = _load(path, ep_mesh, "xla", expert_weights="fp8").layers[1].mlp.experts.w_up_edf.get_value()
+  assert w8.block == (128, 128)
+  _assert_quantized(w8, dense)
+
+
+def test_fp8_checkpoint_of_another_block_is_refused(fp8_saved, ep_mesh):
+  _, fp8_dir, _, _ = fp8_saved
+  reader = loader.CheckpointReader(fp8_dir)
+  config = dict(reader.config, quantization_config={"quant_method": "fp8",
+                                                    "weight_block_size": [32, 32]})
+  model = models._build(config, ep_mesh, "ep", "xla", jnp.float32, None, "fp8")
+  with pytest.raises(CheckpointError, match=r"fp8 block \(16, 16\) for parameter "
+                                            r"layers\.1\.mlp\.experts\.w_down_efd, the model "
+                                            r"was built for \(32, 32\)"):
+    loader.load_weights(model, reader, progress=False)
+
+
+def test_bad_expert_weights_is_refused():
+  with pytest.raises(ValueError, match=r"expert_weights must be one of \('dtype', 'fp8'\), "
+                                       r"got 'int4'"):
+    models.tiny("tiny-deepseek-v3", expert_weights="int4")
 
 
 # --- full size, shapes only --------------------------------------------------------------
