@@ -21,8 +21,8 @@ Contract (what the models rely on):
     per bn x bk block; `sharding.fp8_param`), sharded the same way and fed to the grouped
     GEMM as they are: where tokamax's fp8 kernel applies (Hopper, bf16 rows, the
     conditions in grouped_gemm) it reads half the bytes of bf16 weights; elsewhere (CPU, f32
-    models, the "exact" wire) each call dequantizes them (f32 product, rounded to the model dtype, as the
-    loader's dequantizing path rounds them), which gives the bf16-copy model's results.
+    models, the "exact" wire) each call dequantizes them (f32 product, rounded to the model
+    dtype, as the loader's dequantizing path rounds them): the bf16-copy model's results.
   - Tokens are data-parallel over the same axis: T is padded to R * ceil(T / R) and each
     device dispatches its ceil(T / R) rows (the real count is passed as `num_tokens`, so
     padding rows are never sent). Works inside or outside jit, with any jax_moe backend.
