@@ -47,25 +47,68 @@ SYNTHETIC = {
         "mlp_only_layers": [],
     },
 }
-CONFIGS = {**models.TINY_CONFIGS, **SYNTHETIC}
+# Layer shapes of the served models (issue 16), random weights, few layers so one H200 holds
+# them: DeepSeek-V3 with the 32 routed experts one GPU holds at EP8 (hidden 7168, MLA, top-8,
+# one shared expert; every layer MoE) and Qwen3-235B-A22B with all 128 experts. Not in the
+# default list: each takes minutes to build and check.
+REALISTIC = {
+    "dsv3-ep8-share": {
+        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 4,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 32,
+        "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+        "first_k_dense_replace": 0, "moe_layer_freq": 1, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "tie_word_embeddings": False, "hidden_act": "silu",
+    },
+    "qwen3-235b-shape": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 4096,
+        "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 4,
+        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    },
+}
+DEFAULT_MODELS = [*models.TINY_CONFIGS, *SYNTHETIC]
+CONFIGS = {**models.TINY_CONFIGS, **SYNTHETIC, **REALISTIC}
 
 
 def _csv(text: str) -> list[str]:
   return [v.strip() for v in text.split(",") if v.strip()]
 
 
+def _ints(text: str) -> list[int]:
+  values = _csv(text)
+  if not values or not all(v.isdigit() and int(v) > 0 for v in values):
+    raise argparse.ArgumentTypeError(f"expected positive integers like 32,128, got {text!r}")
+  return [int(v) for v in values]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--models", type=_csv, default=list(CONFIGS),
-                 help=f"comma-separated, from {list(CONFIGS)}")
+  p.add_argument("--models", type=_csv, default=DEFAULT_MODELS,
+                 help=f"comma-separated, from {list(CONFIGS)} (default {DEFAULT_MODELS})")
+  p.add_argument("--layers", type=int, default=None,
+                 help="override every model's num_hidden_layers")
   p.add_argument("--backends", type=_csv, default=None,
                  help="jax_moe backends (default: jm.available_backends())")
-  p.add_argument("--batch", type=int, default=0,
-                 help="sequences decoded together (default: 16 per device)")
+  p.add_argument("--batch", type=_ints, default=None,
+                 help="sequences decoded together, comma-separated for several runs "
+                      "(default: 16 per device)")
+  p.add_argument("--copy-mib", type=int, default=None,
+                 help="MiB of the copy that measures the HBM bandwidth for the floors "
+                      "(default 4096 on GPUs, none elsewhere; 0: skip)")
   p.add_argument("--prompt-len", type=int, default=32)
   p.add_argument("--wire", choices=("bf16", "fp8"), default="bf16",
                  help="how the bf16 models move MoE tokens")
+  p.add_argument("--expert-weights", choices=("dtype", "fp8"), default="dtype",
+                 help="the routed experts' weights in bf16, or block-fp8 fed to the grouped "
+                      "GEMM as such (the f32 check twins stay f32)")
   p.add_argument("--ep", type=int, default=None, help="use the first N devices (default all)")
   p.add_argument("--steps", type=int, default=32, help="decode steps of the long timed loop")
   p.add_argument("--short-steps", type=int, default=4, help="decode steps of the short loop")
@@ -84,12 +127,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--short-steps must be in [0, --steps), got {args.short_steps} and {args.steps}")
   if args.reps < 1 or args.prompt_len < 1:
     p.error("--reps and --prompt-len must be >= 1")
+  if args.layers is not None and args.layers < 1:
+    p.error(f"--layers must be >= 1, got {args.layers}")
   return args
 
 
-def _build(name, mesh, backend, dtype, wire, seed):
-  return models.from_config(CONFIGS[name], mesh=mesh, backend=backend, dtype=dtype, wire=wire,
-                            seed=seed)
+def model_config(name: str, layers: int | None) -> dict:
+  config = dict(CONFIGS[name])
+  if layers is not None:
+    config["num_hidden_layers"] = layers
+  return config
+
+
+def _build(name, mesh, backend, dtype, wire, seed, layers=None, expert_weights="dtype"):
+  return models.from_config(model_config(name, layers), mesh=mesh, backend=backend, dtype=dtype,
+                            wire=wire, seed=seed, expert_weights=expert_weights)
+
+
+def bytes_on_first_device(tree) -> int:
+  """Bytes of the arrays in `tree` held by the mesh's first device (one rank's share: what a
+  decode step must read at least once from HBM)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.Array) and leaf.addressable_shards:
+      total += leaf.addressable_shards[0].data.nbytes
+  return total
 
 
 def _prompt(model, batch, prompt_len, seed):
@@ -106,7 +168,7 @@ def check_backends(name, mesh, backends, args, batch) -> dict:
     # layers in one program and not in the other (suspected cause of a 3e-4 gap on 2xH200).
     precision = "highest" if dtype == jnp.float32 else "default"
     for backend in backends:
-      model = _build(name, mesh, backend, dtype, wire, args.seed)
+      model = _build(name, mesh, backend, dtype, wire, args.seed, args.layers)
       with jax.default_matmul_precision(precision):
         logits[backend] = np.asarray(models.forward(model, _prompt(model, batch, args.prompt_len,
                                                                     args.seed)))
@@ -144,8 +206,9 @@ def decode_program(model, batch, prompt_len, max_len):
   return state, prefill, decode
 
 
-def time_model(name, mesh, backend, args, batch) -> dict:
-  model = _build(name, mesh, backend, jnp.bfloat16, args.wire, args.seed)
+def time_model(name, mesh, backend, args, batch, copy) -> dict:
+  model = _build(name, mesh, backend, jnp.bfloat16, args.wire, args.seed, args.layers,
+                 args.expert_weights)
   ids = _prompt(model, batch, args.prompt_len, args.seed)
   # the prompt is prefilled at max_len = prompt + steps so one cache shape serves every n
   max_len = args.prompt_len + args.steps + 1
@@ -159,12 +222,28 @@ def time_model(name, mesh, backend, args, batch) -> dict:
   jax.block_until_ready(decode(state, token_b, cache, 1))  # compile
   timing, _ = time_per_iteration(lambda n: decode(state, token_b, cache, n), args.short_steps,
                                  args.steps, args.reps, args.budget_s)
+  # What one step reads at least once per rank: its weights and its whole KV cache (the
+  # attention reads every position of the cache, masked).
+  floor = {"weight_bytes": bytes_on_first_device(nnx.state(model, nnx.Param)),
+           "cache_bytes": bytes_on_first_device(cache)}
+  if copy is not None:
+    floor["hbm_floor_us"] = (floor["weight_bytes"] + floor["cache_bytes"]) / (
+        copy["tb_per_s"] * 1e6)
+    floor["step_over_floor"] = timing["median_us"] / floor["hbm_floor_us"]
   model.pool.check()
   model.pool.close()
-  return {"label": f"{name} {backend}", "model": name, "backend": backend, "status": "ok",
-          "family": "jax_moe", "time": timing, "prefill": summarize(prefill_s),
+  return {"label": f"{name} b{batch} {backend}", "model": name, "backend": backend,
+          "batch": batch, "status": "ok", "family": "jax_moe", "time": timing,
+          "prefill": summarize(prefill_s), "floor": floor,
           "decode_tokens_per_s": batch / (timing["median_us"] * 1e-6),
           "layout": model.layout()}
+
+
+def measure_copy_bandwidth(mib: int, reps: int) -> dict:
+  """The HBM copy bandwidth (bytes read + written per second) of bench_grouped_gemm's copy
+  loop, the floors' denominator."""
+  from benchmarks.bench_grouped_gemm import measure_copy
+  return measure_copy(mib, argparse.Namespace(iters=20, short_iters=2, reps=reps, budget_s=2.0))
 
 
 def plot(payload: dict, path: Path) -> bool:
@@ -185,7 +264,8 @@ def plot(payload: dict, path: Path) -> bool:
   ax.invert_yaxis()
   ax.set_xlabel("microseconds per decode step (median, p10-p90)")
   env, cfg = payload["environment"], payload["config"]
-  ax.set_title(f"decode: batch {cfg['batch']}, prompt {cfg['prompt_len']}, bf16, "
+  batches = ",".join(map(str, cfg["batch"]))
+  ax.set_title(f"decode: batch {batches}, prompt {cfg['prompt_len']}, bf16, "
                f"{cfg['wire']} MoE wire\n{env['device_count']} x {env['device_kind']}, "
                f"jax {env['jax_version']}, commit {str(env['git_commit'])[:10]}", fontsize=9)
   for i, r in enumerate(rows):
@@ -199,16 +279,19 @@ def plot(payload: dict, path: Path) -> bool:
 
 
 def _table(results) -> str:
-  header = f"{'model backend':34} {'status':8} {'step us':>9} {'p10-p90':>15} {'tok/s':>9} {'prefill ms':>10}"
+  header = (f"{'model batch backend':34} {'status':8} {'step us':>9} {'p10-p90':>15} "
+            f"{'tok/s':>9} {'prefill ms':>10} {'x floor':>8}")
   lines = [header, "-" * len(header)]
   for r in results:
     if r["status"] != "ok":
       lines.append(f"{r['label'][:34]:34} {r['status']:8} {r.get('reason', '')[:120]}")
       continue
     t = r["time"]
+    over = r["floor"].get("step_over_floor")
     lines.append(f"{r['label'][:34]:34} {'ok':8} {t['median_us']:9.1f} "
                  f"{t['p10_us']:7.1f}-{t['p90_us']:<7.1f} {r['decode_tokens_per_s']:9.0f} "
-                 f"{r['prefill']['median_us'] / 1e3:10.2f}")
+                 f"{r['prefill']['median_us'] / 1e3:10.2f} "
+                 f"{'-' if over is None else f'{over:.2f}':>8}")
   return "\n".join(lines)
 
 
@@ -221,11 +304,16 @@ def main(argv=None) -> int:
   if missing:
     print(f"backends {missing} are not available here (available: {available})", file=sys.stderr)
     return 2
-  batch = args.batch or 16 * mesh.devices.size
+  batches = args.batch or [16 * mesh.devices.size]
+  copy_mib = args.copy_mib if args.copy_mib is not None else (
+      4096 if jax.default_backend() == "gpu" else 0)
+  copy = measure_copy_bandwidth(copy_mib, args.reps) if copy_mib else None
+  if copy is not None:
+    print(f"copy bandwidth {copy['tb_per_s']:.2f} TB/s read + written ({copy['method']})")
   results, parity = [], {}
   for name in args.models:
     try:
-      parity[name] = check_backends(name, mesh, backends, args, batch)
+      parity[name] = check_backends(name, mesh, backends, args, batches[0])
     except NotImplementedError as e:  # a registered model class missing from this build
       results.append({"label": name, "model": name, "status": "skipped", "reason": str(e)})
       continue
@@ -233,14 +321,17 @@ def main(argv=None) -> int:
       results.append({"label": name, "model": name, "status": "failed",
                       "reason": f"backends disagree: {parity[name]['f32_exact']}"})
       continue
-    for backend in backends:
-      results.append(time_model(name, mesh, backend, args, batch))
+    for batch in batches:
+      for backend in backends:
+        results.append(time_model(name, mesh, backend, args, batch, copy))
   payload = {
       "benchmark": "decode",
       "environment": provenance(mesh, args.git_commit),
-      "config": {"batch": batch, "prompt_len": args.prompt_len, "wire": args.wire,
+      "config": {"batch": batches, "prompt_len": args.prompt_len, "wire": args.wire,
+                 "expert_weights": args.expert_weights,
                  "dtype": "bfloat16", "backends": backends, "seed": args.seed,
-                 "models": {name: CONFIGS[name] for name in args.models}},
+                 "models": {name: model_config(name, args.layers) for name in args.models}},
+      "copy_bandwidth": copy,
       "parity": parity,
       "results": results,
   }

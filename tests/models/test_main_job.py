@@ -41,7 +41,7 @@ def test_generate_command_reports_a_bad_checkpoint(tmp_path):
 def test_bench_decode_checks_backends_and_writes_results(tmp_path):
   done = _run([str(REPO / "benchmarks" / "bench_decode.py"), "--models", "tiny-qwen3-moe",
                "--batch", "8", "--prompt-len", "4", "--steps", "2", "--short-steps", "1",
-               "--reps", "1", "--out", str(tmp_path)], tmp_path)
+               "--reps", "1", "--copy-mib", "16", "--out", str(tmp_path)], tmp_path)
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
   payload = json.loads((tmp_path / "decode_cpu-x8.json").read_text())
   assert (tmp_path / "decode_cpu-x8.png").stat().st_size > 0
@@ -51,3 +51,40 @@ def test_bench_decode_checks_backends_and_writes_results(tmp_path):
   for result in results:
     assert result["status"] == "ok", result
     assert result["time"]["median_us"] > 0 and result["decode_tokens_per_s"] > 0
+    floor = result["floor"]  # weights and cache one rank reads per step, over the copy rate
+    assert floor["weight_bytes"] > 0 and floor["cache_bytes"] > 0
+    assert floor["hbm_floor_us"] > 0 and floor["step_over_floor"] > 0
+  assert payload["copy_bandwidth"]["tb_per_s"] > 0
+
+
+def test_bench_decode_realistic_shapes_are_the_served_models(monkeypatch):
+  """The realistic configs build (abstract parameters, no memory) with the parameter counts
+  of their layer shapes: DeepSeek-V3's per layer (32 routed experts + 1 shared, MLA) and
+  Qwen3-235B's (128 experts, GQA 64/4), plus both embeddings."""
+  monkeypatch.syspath_prepend(str(REPO))
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from jax.sharding import Mesh
+
+  from benchmarks import bench_decode
+  from jax_moe import models
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+  for name, layers in (("dsv3-ep8-share", 2), ("qwen3-235b-shape", 1)):
+    config = bench_decode.model_config(name, layers)
+    assert config["num_hidden_layers"] == layers
+    model = models._build(config, mesh, "ep", "xla", jnp.bfloat16, None)
+    count = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    h, f, v = config["hidden_size"], config["moe_intermediate_size"], config["vocab_size"]
+    if name.startswith("dsv3"):
+      heads, qk = config["num_attention_heads"], 128 + 64
+      mla = (h * 1536 + 1536 + 1536 * heads * qk + h * (512 + 64) + 512
+             + 512 * heads * (128 + 128) + heads * 128 * h)
+      moe = (32 + 1) * 3 * h * f + 32 * h + 32  # experts, router and its bias
+      per_layer = mla + moe + 2 * h
+    else:
+      attention = h * 64 * 128 + 2 * h * 4 * 128 + 64 * 128 * h + 2 * 128
+      per_layer = attention + 128 * 3 * h * f + 128 * h + 2 * h
+    assert count == 2 * v * h + h + layers * per_layer, name
