@@ -53,24 +53,18 @@ SYNTHETIC = {
 # default list: each takes minutes to build and check.
 REALISTIC = {
     "dsv3-ep8-share": {
-        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+        **models.TINY_CONFIGS["tiny-deepseek-v3"], "vocab_size": 129280, "hidden_size": 7168,
         "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 4,
         "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 32,
-        "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
-        "first_k_dense_replace": 0, "moe_layer_freq": 1, "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 0,
         "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "max_position_embeddings": 4096, "tie_word_embeddings": False, "hidden_act": "silu",
+        "qk_rope_head_dim": 64, "v_head_dim": 128,
     },
     "qwen3-235b-shape": {
-        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 4096,
-        "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 4,
-        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
-        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-        "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        **models.TINY_CONFIGS["tiny-qwen3-moe"], "vocab_size": 151936, "hidden_size": 4096,
+        "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "mlp_only_layers": [],
     },
 }
 DEFAULT_MODELS = [*models.TINY_CONFIGS, *SYNTHETIC]
