@@ -68,7 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--backends", type=_csv(), default=None,
                  help="jax_moe backends, or 'none' (default: jm.available_backends()); "
                       "'cuda-proxy' is the cuda backend with every peer forced remote "
-                      "(through its host proxies)")
+                      "(through its host proxies); 'replicated' the replicated-input mode "
+                      "(every rank holds every token; expert mode, fused and split)")
   p.add_argument("--ops", type=_csv(methods.JAX_MOE_OPS), default=list(methods.JAX_MOE_OPS),
                  help="jax_moe operations to time")
   p.add_argument("--peers", type=_csv(methods.PEER_NAMES + methods.PROBE_NAMES),
@@ -141,8 +142,12 @@ def jax_moe_records(ctx, mesh, device_inputs, backend, args) -> list[dict]:
   method that breaks the protocol (a timeout, say) cannot fail the ones after it."""
   records = []
   for i, reduce in enumerate(args.reduce):
+    if backend == methods.REPLICATED and reduce != "expert":
+      continue  # the replicated-input mode sums partials: expert mode only
     # Dispatch alone is the same work in both combine modes: time it once per dtype.
     for op in (op for op in args.ops if not (op == "dispatch" and i > 0)):
+      if backend == methods.REPLICATED and op not in methods.REPLICATED_OPS:
+        continue
       try:
         comm = methods.make_communicator(ctx, backend, reduce, args.partial_dtype,
                                          args.expert_padding)
@@ -153,7 +158,9 @@ def jax_moe_records(ctx, mesh, device_inputs, backend, args) -> list[dict]:
                         "reason": f"Communicator: {type(e).__name__}: {e}"})
         continue
       try:
-        (method,) = methods.jax_moe_methods(ctx, comm, (op,), name=backend)
+        (method,) = (methods.replicated_methods(ctx, comm, (op,))
+                     if backend == methods.REPLICATED
+                     else methods.jax_moe_methods(ctx, comm, (op,), name=backend))
         records.append(run_method(method, mesh, device_inputs, args))
       finally:
         comm.close()
@@ -254,7 +261,8 @@ def main(argv=None) -> int:
   available = jm.available_backends()
   backends = available if args.backends is None else args.backends
   # Settings of an available backend (methods.FORCED_REMOTE) only when asked for.
-  allowed = available + [n for n, b in methods.FORCED_REMOTE.items() if b in available]
+  allowed = available + [n for n, b in methods.FORCED_REMOTE.items() if b in available] + [
+      methods.REPLICATED]
   for b in backends:
     if b not in allowed:
       print(f"backend {b!r} is not available here (available: {allowed})", file=sys.stderr)

@@ -23,7 +23,11 @@ from benchmarks.problem import Inputs, Shape, Traffic
 from benchmarks.timing import consume_output, consume_probe, probe_all
 
 JAX_MOE_OPS = ("fused", "dispatch", "combine", "split")
-PEER_NAMES = ("all_gather", "all_to_all", "ragged_all_to_all")
+PEER_NAMES = ("all_gather", "all_to_all", "ragged_all_to_all", "replicated_psum_scatter")
+# The replicated-input mode (every rank holds every token; jax_moe/backends/replicated.py), a
+# backend name here: JAX on every platform, expert mode only, fused and split.
+REPLICATED = "replicated"
+REPLICATED_OPS = ("fused", "split")
 PROBE_NAMES = ("psum", "p2p")
 DTYPES = {"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16}
 # Benchmark names of jax_moe backends built with a setting: "cuda-proxy" is the cuda backend
@@ -99,14 +103,32 @@ def identity_expert(r: jm.Dispatched) -> jax.Array:
   return jax.lax.optimization_barrier(y)
 
 
+def fused_op(comm: jm.Communicator) -> Callable:
+  def fused(x, ids, w):
+    r = comm.dispatch(x, ids, w)
+    return comm.combine(identity_expert(r), r.handle)
+  return fused
+
+
+def split_op(comm: jm.Communicator) -> Callable:
+  def split(x, ids, w):
+    r = comm.dispatch_recv(comm.dispatch_send(x, ids, w))
+    return comm.combine_recv(comm.combine_send(identity_expert(r), r.handle))
+  return split
+
+
 def make_communicator(ctx: Context, backend: str, reduce: str, partial_dtype: str,
                       expert_padding: int) -> jm.Communicator:
   s = ctx.shape
+  replicated = backend == REPLICATED
   cfg = jm.MoEConfig(num_experts=s.experts, experts_per_token=s.topk, hidden=s.hidden,
-                     max_tokens=s.tokens, dispatch_dtype=DTYPES[ctx.dtype_name],
+                     max_tokens=s.tokens * (s.ranks if replicated else 1),
+                     dispatch_dtype=DTYPES[ctx.dtype_name],
                      block_size=s.block_size, combine_dtype=jnp.bfloat16,
                      combine_reduce=reduce, partial_dtype=PARTIAL_DTYPES[partial_dtype],
                      expert_padding=expert_padding)
+  if replicated:
+    return jm.Communicator(cfg, ctx.mesh, axis=AXIS, replicated_over=AXIS)
   if backend not in FORCED_REMOTE:
     return jm.Communicator(cfg, ctx.mesh, axis=AXIS, backend=backend)
   before = os.environ.get("JAX_MOE_FORCE_REMOTE")
@@ -138,13 +160,7 @@ def jax_moe_methods(ctx: Context, comm: jm.Communicator, ops: tuple[str, ...],
   model = ("payload lower bound: dispatch one row per (token, remote rank); combine one "
            + ("row per remote slot" if reduce == "source" else "partial per (token, remote rank)"))
 
-  def fused(x, ids, w):
-    r = comm.dispatch(x, ids, w)
-    return comm.combine(identity_expert(r), r.handle)
-
-  def split(x, ids, w):
-    r = comm.dispatch_recv(comm.dispatch_send(x, ids, w))
-    return comm.combine_recv(comm.combine_send(identity_expert(r), r.handle))
+  fused, split = fused_op(comm), split_op(comm)
 
   def exchange_body(exchange):
     def body(state):
@@ -204,6 +220,40 @@ def jax_moe_methods(ctx: Context, comm: jm.Communicator, ops: tuple[str, ...],
   return [builders[op]() for op in JAX_MOE_OPS if op in ops]
 
 
+def gather_tokens(x, topk_ids, topk_weights):
+  """Every rank's tokens on every rank (x may be a pre-quantized (q, scales) pair): the
+  replicated-input methods' state, made once before their loop."""
+  return jax.tree.map(lambda a: jax.lax.all_gather(a, AXIS, tiled=True),
+                      (x, topk_ids, topk_weights))
+
+
+def replicated_methods(ctx: Context, comm: jm.Communicator, ops: tuple[str, ...]) -> list[Method]:
+  """The replicated-input mode's fused and split ops: dispatch selects the local experts'
+  slots of all R*T tokens without communication; combine sums the ranks' partials over the
+  group (every rank gets every output). The check reads each rank's own T rows."""
+  cfg, s = comm.cfg, ctx.shape
+  partial = "f32" if cfg.partial_dtype == np.dtype(jnp.float32) else "bf16"
+  roundings = 2 if partial == "bf16" else 1
+  pbytes = np.dtype(cfg.partial_dtype).itemsize
+  nbytes = 2.0 * (s.ranks - 1) / s.ranks * s.ranks * s.tokens * s.hidden * pbytes
+  model = "combine all-reduces R*T partials (ring: 2*(R-1)/R of them); dispatch moves nothing"
+
+  def own_rows(out):
+    return jax.lax.dynamic_slice_in_dim(out, jax.lax.axis_index(AXIS) * s.tokens, s.tokens)
+
+  def method(op, exchange):
+    return Method(label=f"{REPLICATED} {op} {ctx.dtype_name} expert", family="jax_moe",
+                  name=REPLICATED, op=op, dispatch_dtype=ctx.dtype_name,
+                  combine_reduce="expert", init=gather_tokens,
+                  body=lambda state: consume_output(*state, exchange(*state)),
+                  final=lambda state: own_rows(exchange(*state)),
+                  check=_combine_check(ctx, roundings), bytes_per_rank=nbytes,
+                  bytes_model=model, after_run=comm.check)
+
+  exchanges = {"fused": fused_op(comm), "split": split_op(comm)}
+  return [method(op, exchanges[op]) for op in REPLICATED_OPS if op in ops]
+
+
 # ------------------------------------------------------------------ JAX peers
 def peer_method(ctx: Context, peer: str) -> Method:
   s, t = ctx.shape, ctx.traffic
@@ -218,16 +268,26 @@ def peer_method(ctx: Context, peer: str) -> Method:
     nbytes = (R - 1) * s.slots_per_dest * (s.row_bytes + s.combine_row_bytes)
     model = "(R-1)*T*min(K,L) padded rows each way"
     roundings = 1
+  elif peer == "replicated_psum_scatter":
+    # Every rank holds every token: the all_gather peer without its gather.
+    nbytes = (R - 1) * s.tokens * s.combine_row_bytes
+    model = "(R-1)*T bf16 rows reduce-scattered (the tokens are replicated already)"
+    roundings = R + 1
   else:
     nbytes = t.remote_slots * (s.row_bytes + s.combine_row_bytes) + 4 * R
     model = "one row per remote slot each way, plus the counts"
     roundings = 1
+  replicated = peer == "replicated_psum_scatter"
 
   def body(state):
-    return consume_output(*state, exchange(*state))
+    out = exchange(*state)
+    if replicated:  # out is this rank's T rows of the replicated R*T: a reduce-scatter's
+      return consume_probe(*state, probe_all(out))  # whole input is needed for any element
+    return consume_output(*state, out)
 
   return Method(label=f"{peer} {ctx.dtype_name}", family="peer", name=peer, op="exchange",
-                dispatch_dtype=ctx.dtype_name, combine_reduce="source", init=_keep, body=body,
+                dispatch_dtype=ctx.dtype_name, combine_reduce="source",
+                init=gather_tokens if replicated else _keep, body=body,
                 final=lambda st: exchange(*st), check=_combine_check(ctx, roundings),
                 bytes_per_rank=float(nbytes), bytes_model=model)
 

@@ -50,24 +50,28 @@ def _weighted_sum_by_slot(shape: Shape, rows_back: jax.Array, row_of_slot: jax.A
   return acc.astype(jnp.bfloat16)
 
 
+def _local_experts_psum_scatter(shape: Shape, axis: str, rows, scales, topk_ids,
+                                topk_weights) -> jax.Array:
+  """Given every rank's tokens (wire rows, routing), this rank's experts applied to every
+  token, weighted by the router weights of the slots it owns, psum_scattered: [T, H]."""
+  mine = _valid(shape, topk_ids) & (topk_ids // shape.local_experts == jax.lax.axis_index(axis))
+  local_weight = jnp.where(mine, topk_weights, 0.0).sum(axis=1)           # [R*T] f32
+  y = _identity_expert(rows, scales).astype(jnp.float32)
+  partial = (local_weight[:, None] * y).astype(jnp.bfloat16)              # [R*T, H]
+  return jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
+
+
 def all_gather_psum_scatter(shape: Shape, axis: str):
   """Every rank gathers all tokens and routing, applies its local experts to every token
   (weighted by the router weights of the slots it owns) and psum_scatters the partial
   outputs back. Moves (R-1)*T rows each way per rank whatever the routing."""
-  L = shape.local_experts
 
   def exchange(x, topk_ids, topk_weights):
-    rank = jax.lax.axis_index(axis)
     rows, scales = _wire_rows(shape, x)
     gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)
-    all_rows = gather(rows)
-    all_scales = None if scales is None else gather(scales)
-    all_ids, all_weights = gather(topk_ids), gather(topk_weights)
-    mine = _valid(shape, all_ids) & (all_ids // L == rank)
-    local_weight = jnp.where(mine, all_weights, 0.0).sum(axis=1)           # [R*T] f32
-    y = _identity_expert(all_rows, all_scales).astype(jnp.float32)
-    partial = (local_weight[:, None] * y).astype(jnp.bfloat16)            # [R*T, H]
-    return jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
+    return _local_experts_psum_scatter(shape, axis, gather(rows),
+                                       None if scales is None else gather(scales),
+                                       gather(topk_ids), gather(topk_weights))
 
   return exchange
 
@@ -158,8 +162,20 @@ def ragged_all_to_all(shape: Shape, axis: str):
   return exchange
 
 
+def replicated_psum_scatter(shape: Shape, axis: str):
+  """all_gather_psum_scatter for tokens every rank already holds (x, ids, weights of all R*T
+  tokens): what a JAX user writes for replicated-input prefill; moves (R-1)*T rows per rank."""
+
+  def exchange(x, topk_ids, topk_weights):
+    rows, scales = _wire_rows(shape, x)
+    return _local_experts_psum_scatter(shape, axis, rows, scales, topk_ids, topk_weights)
+
+  return exchange
+
+
 PEERS = {
     "all_gather": all_gather_psum_scatter,
+    "replicated_psum_scatter": replicated_psum_scatter,
     "all_to_all": padded_all_to_all,
     "ragged_all_to_all": ragged_all_to_all,
 }

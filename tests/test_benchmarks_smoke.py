@@ -44,7 +44,8 @@ def test_bench_dispatch_combine_runs_every_method_and_all_pass(tmp_path):
     assert payload["environment"]["device_count"] == 8
     backends = payload["config"]["backends"]
     assert "xla" in backends
-    expected_ok = {"all_gather fp8", "all_to_all fp8", "psum [T,H] bf16"}
+    expected_ok = {"all_gather fp8", "all_to_all fp8", "replicated_psum_scatter fp8",
+                   "psum [T,H] bf16"}
     for backend in backends:
         expected_ok |= {f"{backend} dispatch fp8"}
         for reduce in ("source", "expert"):
@@ -113,10 +114,35 @@ def test_peer_exchange_matches_dense_reference(peer, tokens_in, monkeypatch):
     if tokens_in == "fp8 quantized":
         x = (put(ctx.expected.rows), put(ctx.expected.scales))
     args = (x, put(inputs.topk_ids), put(inputs.topk_weights))
-    run = jax.jit(shard_map(method.final, mesh, in_specs=(spec,), out_specs=spec))
+    final = lambda state: method.final(method.init(*state))  # the replicated peer gathers
+    run = jax.jit(shard_map(final, mesh, in_specs=(spec,), out_specs=spec))
     verdict = method.check(jax.device_get(run(args)), 0)
     assert verdict["passed"], verdict
     assert np.all(np.asarray(run(args))[5] == 0)  # the unrouted token
+
+
+@pytest.mark.parametrize("partial", ["f32", "bf16"])
+@pytest.mark.parametrize("op", methods.REPLICATED_OPS)
+def test_replicated_input_methods_match_dense_reference(op, partial):
+    """The replicated-input mode as the benchmark runs it: tokens gathered once (init), the
+    exchange on all R*T tokens, each rank's own rows checked."""
+    shape = Shape(ranks=4, tokens=16, hidden=256, experts=16, topk=4, fp8=True, block_size=128)
+    inputs = _inputs_with_unrouted_slots(shape)
+    mesh = _host_mesh(shape.ranks)
+    ctx = methods.make_context(mesh, shape, inputs, traffic(shape, inputs))
+    comm = methods.make_communicator(ctx, methods.REPLICATED, "expert", partial, 1)
+    (method,) = methods.replicated_methods(ctx, comm, (op,))
+    spec = PartitionSpec("ep")
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))
+    args = ((put(ctx.expected.rows), put(ctx.expected.scales)), put(inputs.topk_ids),
+            put(inputs.topk_weights))
+    final = lambda state: method.final(method.init(*state))
+    out = jax.jit(shard_map(final, mesh, in_specs=(spec,), out_specs=spec))(args)
+    comm.check()
+    verdict = method.check(jax.device_get(out), 0)
+    assert verdict["passed"], verdict
+    assert np.all(np.asarray(out)[5] == 0)  # the unrouted token
+    comm.close()
 
 
 def test_checks_reject_a_wrong_dispatch_and_a_wrong_combine():
