@@ -211,7 +211,7 @@ def _run(config: dict, process_id: int) -> list[dict]:
   return records
 
 
-# The doorbell's op codes (ffi/cuda/proxy.cc) by request.
+# The doorbell's op codes (ffi/cuda/host_proxy.cc) by request.
 PROXY_OPS = {1: "dispatch_send", 2: "dispatch_send", 3: "dispatch_send", 4: "dispatch_recv",
              5: "combine_send", 6: "combine_recv"}
 

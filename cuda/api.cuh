@@ -77,7 +77,7 @@ cudaError_t launch_all_reduce_nvls(const CommView& view, const AllReduceLayout& 
                                    char* multicast, char* unicast, ReduceDtype dtype,
                                    const void* x, void* out, int64_t n, cudaStream_t stream);
 
-// One request to the host proxy (ffi/cuda/proxy.h): one thread advances the view's proxy
+// One request to the host proxy (ffi/cuda/host_proxy.h): one thread advances the view's proxy
 // sequence, rings `doorbell` (mapped pinned host memory, as the device addresses it) with
 // `op` (< 256), and spins until the proxy reports it done. Gives up after `wait_ns`,
 // recording TIMEOUT in stage kStageProxy with this rank as the detail; after any timeout of

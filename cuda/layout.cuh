@@ -66,7 +66,7 @@ struct ErrorRecord {
   int32_t detail;
 };
 
-// A device's requests to its host proxy thread (ffi/cuda/proxy.h), in mapped pinned host
+// A device's requests to its host proxy thread (ffi/cuda/host_proxy.h), in mapped pinned host
 // memory. The stream stores `seq << 8 | op` into `request` after the request's inputs are in
 // host memory; the proxy runs that exchange, stores `seq` into `done`, and the stream goes on.
 // One request at a time: the stream waits for each (so inputs and outputs can be reused).

@@ -6,7 +6,7 @@ y = ar(x)   # inside shard_map over "tp": equals jax.lax.psum(x, "tp")
 ```
 
 On GPUs with the native CUDA module, messages up to `max_bytes` go through the FFI custom
-call `jax_moe_all_reduce` (ffi/cuda/all_reduce.cc): one-shot (every rank pushes its input to
+call `jax_moe_all_reduce` (ffi/cuda/all_reduce_ffi.cc): one-shot (every rank pushes its input to
 every peer, then each sums all of them) or two-shot (rank s sums segment s, then pushes it to
 every peer), through buffers allocated here and mapped by every peer. Every rank sums an
 element's R values in rank order in f32 and rounds once, so all ranks hold bit-identical

@@ -12,7 +12,7 @@
 
 #include "cuda/all_reduce_layout.cuh"
 #include "cuda/layout.cuh"
-#include "ffi/cuda/proxy.h"
+#include "ffi/cuda/host_proxy.h"
 
 namespace jax_moe {
 
@@ -39,7 +39,7 @@ struct CudaRankState {
   int grid = 1;                           // blocks per dispatch/combine launch, <= chunks
   bool connected = false;
   bool timed_out = false;  // a TIMEOUT was taken: the ranks' sequences no longer agree
-  // Set when the rank's exchanges go through the host (ffi/cuda/proxy.h); then `buffer`
+  // Set when the rank's exchanges go through the host (ffi/cuda/host_proxy.h); then `buffer`
   // and the peer table are unused.
   std::unique_ptr<CudaProxy> proxy;
 
@@ -58,12 +58,12 @@ void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, int ch
 // The state of one rank of an AllReduce of messages up to max_bytes.
 void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, int64_t max_bytes,
                              double timeout_s);
-// The state of a rank whose exchanges go through its host proxy (ffi/cuda/proxy.h).
+// The state of a rank whose exchanges go through its host proxy (ffi/cuda/host_proxy.h).
 void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s);
 // Starts the proxy of a rank made by create_proxy_rank_state, serving with the host rank
 // state of the same (comm id, ordinal), which must be connected; the rank is then connected.
 void start_rank_proxy(int64_t comm_id, int ordinal);
-// The proxy's samples since the last call (ffi/cuda/proxy.h).
+// The proxy's samples since the last call (ffi/cuda/host_proxy.h).
 std::vector<ProxySample> take_proxy_samples(int64_t comm_id, int ordinal);
 // CUDA IPC handle (64 bytes) of the rank's buffer, for peers in other processes.
 std::string rank_ipc_handle(int64_t comm_id, int ordinal);

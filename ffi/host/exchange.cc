@@ -142,7 +142,7 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
   // Routes first. A rank alone in its process (a cuda host proxy with one GPU per process)
   // posts them to the remote ranks before packing any row: they are small, a receiver needs
   // them to know which rows to expect, and the proxy-overhead measurement of
-  // ffi/cuda/proxy.h ends at this first post. With other ranks in the process, the local
+  // ffi/cuda/host_proxy.h ends at this first post. With other ranks in the process, the local
   // publish below goes first: a post may block for up to the timeout on a dead peer, and the
   // local ranks must not wait behind it (they would time out naming this rank).
   std::vector<uint64_t> dest_masks(ntok, 0);  // bit p: token t has a slot on rank p

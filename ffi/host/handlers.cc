@@ -1,5 +1,5 @@
 // FFI handlers of the host backend (platform "cpu"): the same targets, arguments and checks
-// as the cuda handlers (ffi/cuda/dispatch.cc, combine.cc; jax_moe/backends/cuda.py), run on
+// as the cuda handlers (ffi/cuda/dispatch_ffi.cc, combine_ffi.cc; jax_moe/backends/cuda.py), run on
 // the thread XLA gives each CPU device; the work is in ffi/host/exchange.cc.
 #include <string>
 

@@ -42,7 +42,7 @@ struct HostRankState {
   // would fail every later host program of the process.
   std::atomic<bool> timed_out{false};
   int32_t timeout_peer = -1;
-  // Steady-clock ns of the first post to a remote peer since a CUDA proxy (ffi/cuda/proxy.h)
+  // Steady-clock ns of the first post to a remote peer since a CUDA proxy (ffi/cuda/host_proxy.h)
   // cleared it to 0 before serving a request: the proxy-overhead measurement.
   int64_t first_post_ns = 0;
 

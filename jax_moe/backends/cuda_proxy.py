@@ -2,7 +2,7 @@
 
 When a communicator's ranks are not all reachable through CUDA peer access or IPC (the
 mesh spans hosts), or when JAX_MOE_FORCE_REMOTE=1 asks for it (to test this path on one
-host), every rank of the communicator exchanges through its host proxy (ffi/cuda/proxy.h):
+host), every rank of the communicator exchanges through its host proxy (ffi/cuda/host_proxy.h):
 the FFI call copies its inputs into pinned host memory, rings a doorbell the proxy thread
 polls, waits for it, and copies the outputs back. The proxy runs the host backend's protocol
 on a host rank state with the same (comm id, device ordinal): ranks of one process share host

@@ -12,7 +12,7 @@
 namespace jax_moe {
 namespace {
 
-// The kernel (one launch, `phases` of it), or the rank's host proxy (ffi/cuda/proxy.h).
+// The kernel (one launch, `phases` of it), or the rank's host proxy (ffi/cuda/host_proxy.h).
 cudaError_t send_half(CudaRankState& s, const void* y, const int32_t* slot_rows,
                       const float* row_weights, int32_t* done, cudaStream_t stream) {
   if (s.proxy) return s.proxy->combine_send(s.view(), y, slot_rows, row_weights, done, stream);

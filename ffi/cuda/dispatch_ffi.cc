@@ -1,6 +1,6 @@
 // FFI handlers of dispatch: decode and check the buffers against the rank state, then launch
 // cuda/dispatch.cu's kernel (one launch per call, the fused op included) or call the rank's
-// host proxy (ffi/cuda/proxy.h). Argument
+// host proxy (ffi/cuda/host_proxy.h). Argument
 // order matches jax_moe/backends/cuda.py.
 #include <cuda_runtime.h>
 
@@ -24,7 +24,7 @@ ffi::ErrorOr<TokenInput> send_input(const CallSite& site, CudaRankState& s, ffi:
   return static_cast<TokenInput>(*input);
 }
 
-// The host-proxy path of the halves (ffi/cuda/proxy.h).
+// The host-proxy path of the halves (ffi/cuda/host_proxy.h).
 ffi::Error proxy_send(const CallSite& site, CudaRankState& s, cudaStream_t stream,
                       TokenInput input, ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
                       ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::F32> topk_weights,

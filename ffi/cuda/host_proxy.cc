@@ -1,4 +1,4 @@
-#include "ffi/cuda/proxy.h"
+#include "ffi/cuda/host_proxy.h"
 
 #include <chrono>
 #include <cstring>
