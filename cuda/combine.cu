@@ -231,6 +231,9 @@ combine_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
                const float* topk_weights, uint4* out) {
   const MoeDims& d = v.dims;
   const NvlinkLayout lay = nvlink_layout(d, v.chunks);
+  if (!halves_in_order(v, kSeqCombineSend, kSeqCombineRecv, kPhases,
+                       (kPhases & kPhaseSend) ? kStageCombineSend : kStageCombineRecv))
+    return;
   load_peers(v);
   if (kPhases & kPhaseSend) {
     clock_mark(v, kClockCombine, kMarkSendStart);

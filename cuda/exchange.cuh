@@ -40,6 +40,20 @@ __device__ inline uint64_t chunk_seq(const CommView& v, ChunkCounter counter, in
   return v.chunk_seq[size_t(counter) * v.chunks + c] + 1;
 }
 
+// Whether this launch's halves come in the order the protocol needs (docs/semantics.md,
+// CALL_ORDER): a send when every earlier send was received, a receive alone when exactly one
+// send is pending, judged on this block's first chunk (every block's counters move together).
+// Records CALL_ORDER (detail: sends not yet received) otherwise; the launch then does nothing.
+__device__ inline bool halves_in_order(const CommView& v, ChunkCounter send, ChunkCounter recv,
+                                       int phases, int32_t stage) {
+  const uint64_t sent = v.chunk_seq[size_t(send) * v.chunks + blockIdx.x];
+  const uint64_t received = v.chunk_seq[size_t(recv) * v.chunks + blockIdx.x];
+  const bool in_order = (phases & kPhaseSend) ? sent == received : sent == received + 1;
+  if (!in_order && threadIdx.x == 0)
+    record_error(v, kCallOrder, stage, static_cast<int32_t>(sent - received));
+  return in_order;
+}
+
 // Records that this block finished chunk c of `counter`'s phase (call once per chunk, by one
 // thread, after the chunk's work).
 __device__ inline void finish_chunk(const CommView& v, ChunkCounter counter, int c,

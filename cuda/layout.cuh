@@ -36,6 +36,7 @@ enum ErrorCode : int32_t {
   kCapacityOverflow = 2, // detail: rows that needed a place
   kTimeout = 3,          // detail: the peer rank waited for
   kBadNumTokens = 4,     // detail: the value given
+  kCallOrder = 5,        // detail: sends not yet received when the call came (halves alternate)
 };
 
 enum Stage : int32_t {

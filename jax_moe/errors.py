@@ -17,6 +17,7 @@ class ErrorCode(enum.IntEnum):
   CAPACITY_OVERFLOW = 2   # detail: rows that needed a place
   TIMEOUT = 3             # detail: the peer rank waited for
   BAD_NUM_TOKENS = 4      # detail: the value given
+  CALL_ORDER = 5          # detail: sends not yet received when the call came
 
 
 class Stage(enum.IntEnum):
@@ -37,6 +38,8 @@ _HINTS = {
     ErrorCode.CAPACITY_OVERFLOW: "raise MoEConfig.max_recv_tokens (or leave it None)",
     ErrorCode.TIMEOUT: "a peer did not reach the same call; raise JAX_MOE_TIMEOUT_S if it is slow",
     ErrorCode.BAD_NUM_TOKENS: "num_tokens must be in [0, max_tokens]",
+    ErrorCode.CALL_ORDER: ("a communicator's halves alternate (send, recv, send, ...); use "
+                           "one communicator per batch in flight"),
 }
 
 

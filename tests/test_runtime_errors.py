@@ -6,6 +6,7 @@ check() raises and clears it.
 """
 
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -15,11 +16,12 @@ from jax.sharding import PartitionSpec as P
 import jax_moe as jm
 import reference as ref
 from checks import assert_dispatch_matches, check_combine
+from meshes import make_mesh
 from moe_runner import AXIS, Setup, make_inputs, runner
 from jax_moe.sharding import shard_map
 from routing_cases import routing
 
-DISPATCH_SEND, DISPATCH_RECV = 1, 2
+DISPATCH_SEND, DISPATCH_RECV, COMBINE_SEND = 1, 2, 3
 
 
 def run_with(setup, rng, routing_):
@@ -107,3 +109,85 @@ def test_pending_error_raises_at_the_next_trace(backend, rng):
     with pytest.raises(jm.CommError) as info:
         jax.eval_shape(shard_map(per_shard, run.mesh, in_specs=P(AXIS), out_specs=P(AXIS)), *shapes)
     assert (int(info.value.code), info.value.rank, info.value.detail) == (1, 1, 99)
+
+
+def _order_case(backend):
+    """A two-rank communicator of `backend` and of the xla backend (the reference), bf16."""
+    if backend == "xla":
+        pytest.skip("the xla backend's halves are pure functions of their inputs: it has no "
+                    "call order to keep")
+    mesh = make_mesh(2)
+    cfg = jm.MoEConfig(num_experts=8, experts_per_token=2, hidden=128, max_tokens=8,
+                       dispatch_dtype=jax.numpy.bfloat16, combine_reduce="expert")
+    return mesh, jm.Communicator(cfg, mesh, axis=AXIS, backend=backend), jm.Communicator(
+        cfg, mesh, axis=AXIS, backend="xla")
+
+
+def _order_inputs(rng):
+    x = jax.numpy.asarray(rng.standard_normal((16, 128)), jax.numpy.bfloat16)
+    ids = np.argsort(rng.random((16, 8)), axis=1)[:, :2].astype(np.int32)
+    return x, ids, rng.random((16, 2)).astype(np.float32)
+
+
+def _sharded(mesh, fn):
+    return jax.jit(shard_map(fn, mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+
+@pytest.mark.parametrize("half", ("dispatch", "combine"))
+def test_a_second_send_before_the_receive_is_refused_at_once(backend, half, rng, monkeypatch):
+    """Halves alternate (docs/semantics.md, CALL_ORDER): the second send records CALL_ORDER
+    at once (no wait for the timeout) and does nothing; the first is still received whole."""
+    monkeypatch.setenv("JAX_MOE_TIMEOUT_S", "20")
+    mesh, comm, reference = _order_case(backend)
+
+    def twice(comm):
+        def body(x, ids, w):
+            if half == "dispatch":
+                first = comm.dispatch_send(x, ids, w)
+                comm.dispatch_send(x, ids, w)
+                r = comm.dispatch_recv(first)
+                return r.weights, jax.numpy.where(r.weights[:, None] != 0, r.x, 0)
+            r = comm.dispatch(x, ids, w)
+            first = comm.combine_send(r.x, r.handle)
+            comm.combine_send(r.x, r.handle)
+            return comm.combine_recv(first)
+        return body
+
+    def once(comm):
+        def body(x, ids, w):
+            if half == "dispatch":
+                r = comm.dispatch(x, ids, w)
+                return r.weights, jax.numpy.where(r.weights[:, None] != 0, r.x, 0)
+            r = comm.dispatch(x, ids, w)
+            return comm.combine(r.x, r.handle)
+        return body
+
+    inputs = _order_inputs(rng)
+    start = time.monotonic()
+    got = jax.block_until_ready(_sharded(mesh, twice(comm))(*inputs))
+    assert time.monotonic() - start < 10  # refused, not timed out
+    stage = DISPATCH_SEND if half == "dispatch" else COMBINE_SEND
+    expect_error(comm, int(jm.ErrorCode.CALL_ORDER), {stage}, rank=0, detail=1)
+    want = _sharded(mesh, once(reference))(*inputs)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    # in order again: nothing recorded
+    jax.block_until_ready(_sharded(mesh, once(comm))(*inputs))
+    comm.check()
+    comm.close()
+    reference.close()
+
+
+def test_a_receive_without_a_pending_send_is_refused(backend, rng):
+    mesh, comm, reference = _order_case(backend)
+    reference.close()
+    inputs = _order_inputs(rng)
+    pending = _sharded(mesh, lambda x, ids, w: comm.dispatch_send(x, ids, w))(*inputs)
+    receive = jax.jit(shard_map(lambda p: comm.dispatch_recv(p).weights, mesh, in_specs=P(AXIS),
+                                out_specs=P(AXIS)))
+    first = jax.block_until_ready(receive(pending))
+    comm.check()
+    again = jax.block_until_ready(receive(pending))
+    expect_error(comm, int(jm.ErrorCode.CALL_ORDER), {DISPATCH_RECV}, rank=0, detail=0)
+    assert np.asarray(first).any() and again.shape == first.shape  # refused: unspecified
+    comm.close()

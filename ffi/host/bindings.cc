@@ -57,6 +57,7 @@ void bind_host(nb::module_& m) {
         codes["CAPACITY_OVERFLOW"] = int(kCapacityOverflow);
         codes["TIMEOUT"] = int(kTimeout);
         codes["BAD_NUM_TOKENS"] = int(kBadNumTokens);
+        codes["CALL_ORDER"] = int(kCallOrder);
         stages["DISPATCH_SEND"] = int(kStageDispatchSend);
         stages["DISPATCH_RECV"] = int(kStageDispatchRecv);
         stages["COMBINE_SEND"] = int(kStageCombineSend);

@@ -33,6 +33,10 @@ struct HostRankState {
   std::vector<int32_t> slot_rank;       // scratch [R][T][K]
   uint64_t dispatch_seq = 0;            // advanced by dispatch_send, used by dispatch_recv
   uint64_t combine_seq = 0;
+  // The last seq each receive half took: a send needs it equal to the send sequence (every
+  // send received), a receive needs one send pending (docs/semantics.md, CALL_ORDER).
+  uint64_t dispatch_recv_seq = 0;
+  uint64_t combine_recv_seq = 0;
   double timeout_s = 10.0;
   int threads = 1;  // threads of the row loops (parallel.h); set for the cuda host proxies
   bool connected = false;
