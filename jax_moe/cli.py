@@ -280,9 +280,8 @@ def _build_model(args, reader, mesh):
   if reader is None:
     return (models.tiny(args.model, seed=args.seed, **kwargs),
             f"{args.model} (embedded config, random weights, seed {args.seed})")
-  model = models._build(reader.config, kwargs.pop("mesh"), models.DEFAULT_AXIS,
-                        kwargs["backend"], kwargs["dtype"], kwargs["wire"],
-                        kwargs["expert_weights"])
+  model = models._build(reader.config, kwargs.pop("mesh"), None, kwargs["backend"],
+                        kwargs["dtype"], kwargs["wire"], kwargs["expert_weights"])
   return loader.load_weights(model, reader, progress=distributed.is_primary()), args.model
 
 
@@ -399,9 +398,14 @@ def _generate(args) -> int:
     return 2
   tok, prompts = inputs["tok"], inputs["prompts"]
   mesh = distributed.global_mesh()
+  if args.tp < 1 or mesh.devices.size % args.tp:
+    _error(f"--tp {args.tp} must be >= 1 and divide the {mesh.devices.size} devices")
+    return 2
+  if args.tp > 1:  # tp groups of consecutive devices (one process's, where they fit)
+    mesh = jax.sharding.Mesh(mesh.devices.reshape(-1, args.tp), models.TP_MESH_AXES)
   random_prompts = prompts is None
   if random_prompts:  # the benchmark: random ids, every sequence runs max_new_tokens
-    batch = args.batch or mesh.devices.size
+    batch = args.batch or mesh.devices.size // args.tp
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(0, inputs["config"]["vocab_size"], (batch, args.prompt_len)).tolist()
   try:
@@ -492,8 +496,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="routed experts' weights: in --dtype (block-fp8 checkpoint weights "
                              "dequantized on load) or block-fp8 codes and scales fed to the "
                              "grouped GEMM (others quantized on load)")
+  generate.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel group size: attention heads, dense MLPs and "
+                             "shared experts split over N devices, devices / N data-parallel "
+                             "groups, routed experts over all devices")
   generate.add_argument("--batch", type=int, default=0,
-                        help="random prompts: sequences (default: one per device)")
+                        help="random prompts: sequences (default: one per data-parallel "
+                             "group, i.e. per device without --tp)")
   generate.add_argument("--prompt-len", type=int, default=16,
                         help="random prompts: tokens each (when no prompt is given)")
   prompts = generate.add_argument_group(

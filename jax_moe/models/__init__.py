@@ -7,35 +7,47 @@
     tokens = models.generate(model, input_ids, max_new_tokens=32)
 
 `mesh=None` puts all local devices on one expert-parallel axis "ep": attention is
-data-parallel over the batch, experts are sharded over every device.
+data-parallel over the batch, experts are sharded over every device. A ("dp", "tp") mesh
+runs attention tensor-parallel inside each tp group (heads, dense MLPs and shared experts
+split over "tp", outputs summed by jm.AllReduce) and data-parallel over "dp", experts over
+all dp * tp devices (sharding.py has the rules; `axis` / `tp_axis` name other axes).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jax_moe.models import loader
 from jax_moe.models.base import MODEL_TYPES, Cache, CausalLM, model_class
 from jax_moe.models.checkpoint import CheckpointError
 from jax_moe.models.generation import Generator, forward, generate
-from jax_moe.models.sharding import DEFAULT_AXIS, ShardingRules, default_mesh
+from jax_moe.models.sharding import DEFAULT_AXIS, TP_MESH_AXES, ShardingRules, default_mesh
 from jax_moe.models.tiny import TINY_CONFIGS
 
 
-def _build(config: dict, mesh, axis: str, backend: str, dtype, wire, expert_weights="dtype"):
+def _build(config: dict, mesh, axis: str | None, backend: str, dtype, wire,
+           expert_weights="dtype", tp_axis: str | None = None):
   if not isinstance(config, dict):
     raise TypeError(f"config must be a config.json dict, got {type(config).__name__}")
   cls = model_class(config.get("model_type"))
-  rules = ShardingRules(mesh if mesh is not None else default_mesh(axis=axis), axis)
+  if mesh is None:
+    mesh = default_mesh(axis=axis or DEFAULT_AXIS)
+  elif not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  rules = ShardingRules.of_mesh(mesh, axis, tp_axis)
   return cls(config, rules=rules, backend=backend, dtype=dtype, wire=wire,
              expert_weights=expert_weights)
 
 
 def from_pretrained(path: str, mesh=None, backend: str = "auto", dtype=jnp.bfloat16, *,
-                    axis: str = DEFAULT_AXIS, wire: str | None = None,
-                    expert_weights: str = "dtype", progress: bool = True):
+                    axis: str | None = None, tp_axis: str | None = None,
+                    wire: str | None = None, expert_weights: str = "dtype",
+                    progress: bool = True):
   """Loads a Hugging Face checkpoint directory (config.json + safetensors) onto `mesh`.
 
+  mesh: None (every local device on "ep"), a 1-D mesh, or a ("dp", "tp") mesh; `axis` and
+  `tp_axis` name the data- and tensor-parallel axes of a mesh named otherwise.
   wire: how the MoE exchange moves tokens ("bf16", "fp8" or "exact"; default "exact" for
   f32 models, else "bf16"); see jax_moe.models.moe.
   expert_weights: "dtype" (the routed experts' weights in `dtype`; block-fp8 ones are
@@ -43,17 +55,18 @@ def from_pretrained(path: str, mesh=None, backend: str = "auto", dtype=jnp.bfloa
   grouped GEMM as such; a checkpoint without them is quantized on load); see base.
   """
   reader = loader.CheckpointReader(path)
-  model = _build(reader.config, mesh, axis, backend, dtype, wire, expert_weights)
+  model = _build(reader.config, mesh, axis, backend, dtype, wire, expert_weights, tp_axis)
   return loader.load_weights(model, reader, progress)
 
 
 def from_config(config: dict, mesh=None, backend: str = "auto", dtype=jnp.bfloat16, *,
-                axis: str = DEFAULT_AXIS, wire: str | None = None,
-                expert_weights: str = "dtype", seed: int = 0):
-  """A model of a config.json dict with random weights (fixed seed), placed on `mesh`;
-  with expert_weights="fp8" the experts' random weights are block-fp8 quantized."""
+                axis: str | None = None, tp_axis: str | None = None,
+                wire: str | None = None, expert_weights: str = "dtype", seed: int = 0):
+  """A model of a config.json dict with random weights (fixed seed), placed on `mesh` (as
+  from_pretrained takes it); with expert_weights="fp8" the experts' random weights are
+  block-fp8 quantized."""
   return loader.random_weights(
-      _build(config, mesh, axis, backend, dtype, wire, expert_weights), seed)
+      _build(config, mesh, axis, backend, dtype, wire, expert_weights, tp_axis), seed)
 
 
 def tiny(name: str, **kwargs):
@@ -63,6 +76,6 @@ def tiny(name: str, **kwargs):
   return from_config(TINY_CONFIGS[name], **kwargs)
 
 
-__all__ = ["MODEL_TYPES", "TINY_CONFIGS", "Cache", "CausalLM", "CheckpointError", "Generator",
-           "ShardingRules", "default_mesh", "forward", "from_config", "from_pretrained", "generate",
-           "model_class", "tiny"]
+__all__ = ["MODEL_TYPES", "TINY_CONFIGS", "TP_MESH_AXES", "Cache", "CausalLM", "CheckpointError",
+           "Generator", "ShardingRules", "default_mesh", "forward", "from_config",
+           "from_pretrained", "generate", "model_class", "tiny"]

@@ -30,8 +30,9 @@ and implements:
       input_ids [B, S] int32. Without a cache: logits [B, S, V] (f32) of a full causal
       forward from position 0. With a cache (from `init_cache`): the tokens sit at positions
       [cache.index, cache.index + S); returns (logits [B, S, V], updated cache with index
-      advanced by S). Batch is data-parallel over the expert axis (`rules.constrain(x,
-      "batch", ...)`), experts sharded over it.
+      advanced by S). Batch is data-parallel over the data-parallel axis
+      (`rules.constrain(x, "batch", ...)`), attention heads and dense MLPs split over the
+      tensor-parallel axis when there is one, experts sharded over both.
   init_cache(self, batch, max_len) -> Cache
       zeros for `max_len` positions per sequence, `layers` a tuple with one pytree per
       layer (whatever that attention caches), batch dim sharded like activations.
@@ -181,11 +182,14 @@ class CausalLM(nnx.Module):
     return fan_in ** -0.5
 
   def layout(self) -> str:
-    mesh = self.rules.mesh
-    R = self.rules.axis_size
+    rules = self.rules
+    mesh = rules.mesh
     block = self.expert_fp8_block
     experts = "" if block is None else f", routed experts block-fp8 ({block[0]}x{block[1]} blocks)"
+    tp = ("" if rules.tp_axis is None else
+          f", heads and dense MLPs tensor-parallel over '{rules.tp_axis}' ({rules.tp_size} way, "
+          f"outputs summed by AllReduce)")
     return (f"mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} "
-            f"device(s); attention data-parallel over batch on '{self.rules.axis}', experts "
-            f"sharded over '{self.rules.axis}' ({R} way), MoE exchange backend "
-            f"'{self.pool.backend_name}', dtype {self.dtype.name}{experts}")
+            f"device(s); attention data-parallel over batch on '{rules.axis}'{tp}, experts "
+            f"sharded over {rules.expert_axis!r} ({rules.expert_size} way), MoE exchange "
+            f"backend '{self.pool.backend_name}', dtype {self.dtype.name}{experts}")

@@ -154,7 +154,7 @@ class DeepseekV3MoE(nnx.Module):
                                  dtype=dtype, wire=wire, fp8_block=fp8_block)
     self.shared_experts = (layers.DenseMLP(cfg.hidden_size,
                                            cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                           rules=rules, dtype=dtype)
+                                           rules=rules, pool=pool, dtype=dtype)
                            if cfg.n_shared_experts else None)
 
   def __call__(self, x_bsd):
@@ -167,14 +167,15 @@ class DecoderLayer(nnx.Module):
   def __init__(self, cfg: DeepseekV3Config, i: int, *, rules, pool, dtype, wire, fp8_block):
     norm = lambda: layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rules=rules, dtype=dtype)
     self.input_layernorm = norm()
-    self.self_attn = MultiHeadLatentAttention(cfg.attention, rules=rules, dtype=dtype)
+    self.self_attn = MultiHeadLatentAttention(cfg.attention, rules=rules, pool=pool, dtype=dtype)
     self.post_attention_layernorm = norm()
     self.is_moe = cfg.is_moe_layer(i)
     if self.is_moe:
       self.mlp = DeepseekV3MoE(cfg, rules=rules, pool=pool, dtype=dtype, wire=wire,
                                fp8_block=fp8_block)
     else:
-      self.mlp = layers.DenseMLP(cfg.hidden_size, cfg.intermediate_size, rules=rules, dtype=dtype)
+      self.mlp = layers.DenseMLP(cfg.hidden_size, cfg.intermediate_size, rules=rules,
+                                 pool=pool, dtype=dtype)
 
   def __call__(self, x_bsd, positions_bs, cache=None, index=None):
     h_bsd, cache = self.self_attn(self.input_layernorm(x_bsd), positions_bs, cache, index)

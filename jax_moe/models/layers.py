@@ -2,6 +2,9 @@
 
 Weights are stored `[in, out]` (x @ w), so a torch `nn.Linear.weight [out, in]` is
 transposed on load. Parameters are abstract until the loader fills them (see sharding.py).
+Tensor parallelism is Megatron's: a column-parallel Linear (out sharded over tp) needs no
+communication, a row-parallel one (in sharded) gives partial sums that `row_parallel` adds
+over tp with the model's AllReduce (`pool.tp_sum`).
 Dimension letters: B batch, S sequence, T tokens, D hidden, F mlp, V vocab, N heads,
 K kv heads, H head dim.
 """
@@ -55,18 +58,37 @@ class Linear(nnx.Module):
     return y + self.b[...] if self.b is not None else y
 
 
-class DenseMLP(nnx.Module):
-  """SwiGLU MLP: down(silu(x @ gate) * (x @ up))."""
+def row_parallel(linear: Linear, x, pool):
+  """linear(x) on one device's rows of w (x the matching columns), inside
+  `ShardingRules.per_device`: the partial products summed over tp (`pool.tp_sum`), then the
+  bias, once."""
+  y = pool.tp_sum(jnp.einsum("...i,io->...o", x, linear.w[...]))
+  return y + linear.b[...] if linear.b is not None else y
 
-  def __init__(self, dim: int, hidden: int, *, rules: ShardingRules, dtype):
+
+class DenseMLP(nnx.Module):
+  """SwiGLU MLP: down(silu(x @ gate) * (x @ up)); gate and up column-parallel, down
+  row-parallel over tp (the hidden units split, where they divide by tp)."""
+
+  def __init__(self, dim: int, hidden: int, *, rules: ShardingRules, pool, dtype):
+    self.rules, self.pool = rules, pool  # pool: the model's CommunicatorPool (its AllReduce)
+    # Hidden units that do not divide by tp stay whole on every rank: nothing to sum then.
+    self.tp_sharded = rules.is_sharded(hidden, "mlp")
     self.w_gate_df = param(rules, (dim, hidden), ("embed", "mlp"), dtype)
     self.w_up_df = param(rules, (dim, hidden), ("embed", "mlp"), dtype)
     self.w_down_fd = param(rules, (hidden, dim), ("mlp", "embed"), dtype)
 
-  def __call__(self, x_td):
-    gate = jnp.einsum("...d,df->...f", x_td, self.w_gate_df[...])
-    up = jnp.einsum("...d,df->...f", x_td, self.w_up_df[...])
-    return jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, self.w_down_fd[...])
+  def __call__(self, x_bsd):
+    """x [B, ..., D] with the batch data-parallel (replicated over tp)."""
+    spec = self.rules.spec_for(x_bsd.shape, ("batch",) + (None,) * (x_bsd.ndim - 1))
+    return self.rules.per_device(DenseMLP._local, self, x_bsd, in_specs=(spec,),
+                                 out_specs=spec)
+
+  def _local(self, x_bsd):
+    gate = jnp.einsum("...d,df->...f", x_bsd, self.w_gate_df[...])
+    up = jnp.einsum("...d,df->...f", x_bsd, self.w_up_df[...])
+    y = jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, self.w_down_fd[...])
+    return self.pool.tp_sum(y) if self.tp_sharded else y
 
 
 # ------------------------------------------------------------------------------------ RoPE

@@ -14,6 +14,11 @@ the static shapes by counting multiply-adds (`uses_absorbed`):
   expanded: k and v are computed for every key once, O(S * H * C * (N + V)), and attention
     costs O(T * S * H * (N + R + V)): cheaper when many queries share the keys (prefill).
 
+Tensor parallelism splits the heads: q_proj / q_b_proj and kv_b_proj are column-parallel
+(whole heads per rank), o_proj row-parallel and summed over tp; the latent projections
+(q_a_proj, kv_a_proj_with_mqa, their norms) and so the cache are replicated over tp, every
+rank computing the latents its heads read.
+
 Names: B batch, T query tokens, S key positions, D hidden, H heads, N qk_nope_head_dim,
 R qk_rope_head_dim, V v_head_dim, C kv_lora_rank, Q q_lora_rank.
 """
@@ -26,9 +31,10 @@ from typing import Any, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jax_moe.models import yarn
-from jax_moe.models.layers import Linear, RMSNorm
+from jax_moe.models.layers import Linear, RMSNorm, row_parallel
 from jax_moe.models.sharding import ShardingRules
 
 
@@ -84,12 +90,17 @@ def _masked_softmax(scores_bhts: jax.Array, visible_bts: jax.Array) -> jax.Array
 
 
 class MultiHeadLatentAttention(nnx.Module):
-  """Projections named as in Hugging Face (layers.Linear: w [in, out]); all replicated, since
-  attention runs data-parallel over the batch."""
+  """Projections named as in Hugging Face (layers.Linear: w [in, out]); the per-head ones
+  sharded over tp (module docstring), attention data-parallel over the batch. `pool`: the
+  model's CommunicatorPool (its AllReduce sums o_proj's partial products)."""
 
-  def __init__(self, cfg: MLAConfig, *, rules: ShardingRules, dtype: Any):
+  def __init__(self, cfg: MLAConfig, *, rules: ShardingRules, pool, dtype: Any):
+    heads, tp = cfg.num_heads, rules.tp_size
+    if heads % tp:
+      raise ValueError(f"deepseek_v3: num_attention_heads ({heads}) must be divisible by tp "
+                       f"({tp})")
     self.cfg = cfg
-    heads = cfg.num_heads
+    self.rules, self.pool = rules, pool
     linear = lambda i, o, axes, bias: Linear(i, o, rules=rules, dtype=dtype, logical_axes=axes,
                                              bias=bias)
     if cfg.q_lora_rank is None:
@@ -115,7 +126,7 @@ class MultiHeadLatentAttention(nnx.Module):
       q_btk = self.q_proj(x_btd)
     else:
       q_btk = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_btd)))
-    q_bthk = q_btk.reshape(*x_btd.shape[:2], cfg.num_heads, cfg.qk_head_dim)
+    q_bthk = q_btk.reshape(*x_btd.shape[:2], -1, cfg.qk_head_dim)  # this rank's heads
     q_nope_bthn = q_bthk[..., :cfg.qk_nope_head_dim]
     q_rope_bthr = yarn.apply_rope(q_bthk[..., cfg.qk_nope_head_dim:], cos_btf, sin_btf,
                                   cfg.rope.interleaved)
@@ -132,7 +143,7 @@ class MultiHeadLatentAttention(nnx.Module):
 
   def _kv_b_chx(self):
     cfg = self.cfg
-    return self.kv_b_proj.w[...].reshape(cfg.kv_lora_rank, cfg.num_heads,
+    return self.kv_b_proj.w[...].reshape(cfg.kv_lora_rank, -1,
                                          cfg.qk_nope_head_dim + cfg.v_head_dim)
 
   def uses_absorbed(self, num_queries: int, num_keys: int) -> bool:
@@ -159,6 +170,25 @@ class MultiHeadLatentAttention(nnx.Module):
     attend to rows [0, cache_length + t]; `positions_bt` must then be
     cache_length + arange(T) (no padding inside a batch). Returns (y [B, T, D], cache).
     """
+    spec = lambda a: self.rules.spec_for(a.shape, ("batch",) + (None,) * (a.ndim - 1))
+    x_spec = spec(x_btd)
+    if cache is None:
+      y_btd = self.rules.per_device(MultiHeadLatentAttention._local, self, x_btd, positions_bt,
+                                    in_specs=(x_spec, spec(positions_bt)), out_specs=x_spec)
+      return y_btd, None
+    if cache_length is None:
+      raise ValueError("MultiHeadLatentAttention: cache_length is required with a cache")
+    if x_btd.shape[1] > cache.latent_bsc.shape[1]:
+      raise ValueError(f"MultiHeadLatentAttention: {x_btd.shape[1]} new tokens do not fit a "
+                       f"cache of {cache.latent_bsc.shape[1]} positions")
+    cache_specs = MLACache(*map(spec, cache))
+    return self.rules.per_device(
+        MultiHeadLatentAttention._local, self, x_btd, positions_bt, cache, cache_length,
+        in_specs=(x_spec, spec(positions_bt), cache_specs, P()),
+        out_specs=(x_spec, cache_specs))
+
+  def _local(self, x_btd, positions_bt, cache=None, cache_length=None):
+    """One device's heads of __call__ (per_device): the cache whole on every tp rank."""
     cfg = self.cfg
     cos_btf, sin_btf = yarn.rope_cos_sin(positions_bt, cfg.rope)
     q_nope_bthn, q_rope_bthr = self._queries(x_btd, cos_btf, sin_btf)
@@ -170,11 +200,6 @@ class MultiHeadLatentAttention(nnx.Module):
       keys_latent_bsc, keys_rope_bsr = latent_btc, k_rope_btr
       visible_bts = positions_bt[:, None, :] <= positions_bt[:, :, None]
     else:
-      if cache_length is None:
-        raise ValueError("MultiHeadLatentAttention: cache_length is required with a cache")
-      if x_btd.shape[1] > cache.latent_bsc.shape[1]:
-        raise ValueError(f"MultiHeadLatentAttention: {x_btd.shape[1]} new tokens do not fit a "
-                         f"cache of {cache.latent_bsc.shape[1]} positions")
       start = (0, cache_length, 0)
       cache = MLACache(
           jax.lax.dynamic_update_slice(cache.latent_bsc, latent_btc.astype(cache.latent_bsc.dtype),
@@ -202,4 +227,5 @@ class MultiHeadLatentAttention(nnx.Module):
       scores_bhts += jnp.einsum("bthn,bshn->bhts", q_nope_bthn, k_nope_bshn, **f32)
       probs_bhts = _masked_softmax(scores_bhts * cfg.softmax_scale, visible_bts)
       out_bthv = jnp.einsum("bhts,bshv->bthv", probs_bhts.astype(v_bshv.dtype), v_bshv)
-    return self.o_proj(out_bthv.reshape(*x_btd.shape[:2], -1)), cache
+    y_btd = row_parallel(self.o_proj, out_bthv.reshape(*x_btd.shape[:2], -1), self.pool)
+    return y_btd if cache is None else (y_btd, cache)

@@ -15,7 +15,8 @@ Contract (what the models rely on):
     `topk_weights_tk` [T, K] f32, already normalised/scaled as the model wants; the block
     returns sum_k w[t, k] * expert_{ids[t, k]}(x[t]) in the model dtype.
   - Weights `w_gate_edf`, `w_up_edf` [E, D, F] and `w_down_efd` [E, F, D], sharded over
-    the expert axis (logical axis "experts"): device r holds experts [r*L, (r+1)*L). In
+    the expert axes (logical axis "experts": the data-parallel axis, and the tensor-parallel
+    one when there is one, ranks row-major): rank r holds experts [r*L, (r+1)*L). In
     the model dtype, or with `fp8_block=(bn, bk)` as `grouped_gemm.BlockFp8Weights` of that
     logical shape (e4m3 codes [E, out, in], the checkpoint's own layout, with one f32 scale
     per bn x bk block; `sharding.fp8_param`), sharded the same way and fed to the grouped
@@ -23,9 +24,13 @@ Contract (what the models rely on):
     conditions in grouped_gemm) it reads half the bytes of bf16 weights; elsewhere (CPU, f32
     models, the "exact" wire) each call dequantizes them (f32 product, rounded to the model
     dtype, as the loader's dequantizing path rounds them): the bf16-copy model's results.
-  - Tokens are data-parallel over the same axis: T is padded to R * ceil(T / R) and each
-    device dispatches its ceil(T / R) rows (the real count is passed as `num_tokens`, so
-    padding rows are never sent). Works inside or outside jit, with any jax_moe backend.
+  - Tokens are data-parallel over the data-parallel axis (dp groups): T is padded to
+    dp * Tg and each group holds Tg rows, Tg = tp * ceil(T / (dp * tp)) (the real count is
+    passed as `num_tokens`, so padding rows are never sent). With a tensor-parallel axis
+    the tokens are replicated over each tp group (as attention leaves them) and the
+    Communicator runs in its DP-group mode (`replicated_over` the tp axis): each rank of a
+    group sends its Tg / tp rows, and every rank gets all Tg outputs of its group. Works
+    inside or outside jit, with any jax_moe backend.
   - Communicators allocate, so they are built outside jit: one per MoEConfig (one per
     per-shard token count), cached in a `CommunicatorPool` shared by all layers of a model.
     Call `pool.prepare(num_tokens)` (models do it in `prepare(batch, seq)`) before tracing
@@ -58,7 +63,7 @@ from jax_moe.sharding import shard_map
 
 WIRES = ("exact", "bf16", "fp8")
 GEMM_IMPLEMENTATION = "auto"  # grouped_gemm.ragged_dot's `implementation` for the experts
-# Prefill-sized calls (at least this many tokens per shard) on more than one rank combine in
+# Prefill-sized calls (at least this many tokens sent per rank) on more than one rank combine in
 # "expert" mode: each expert rank sends one partial sum per token instead of one row per slot
 # (K rows -> at most R partials), with partials in PARTIAL_DTYPE (bf16 halves the bytes again;
 # set jnp.float32 for f32 partials). Decode-sized calls keep "source" mode.
@@ -101,12 +106,13 @@ def join_f32(parts):
 
 
 class CommunicatorPool:
-  """One jm.Communicator per MoEConfig on one mesh axis, built outside jit and reused.
+  """A model's collectives, built outside jit and reused: one jm.Communicator per MoEConfig
+  over the expert axes, and the jm.AllReduce over the tensor-parallel axis (when tp > 1).
 
   Layers register the config template of their exchange (`register`); `prepare(num_tokens)`
   builds the communicators for a call with `num_tokens` tokens in total; `get(cfg)` returns
-  one, building it when not inside a trace. Hashable by identity, so models keep it as a
-  static attribute.
+  one, building it when not inside a trace. `tp_sum(x)` sums tensor-parallel partial results.
+  Hashable by identity, so models keep it as a static attribute.
   """
 
   def __init__(self, rules: ShardingRules, backend: str = "auto"):
@@ -114,6 +120,14 @@ class CommunicatorPool:
     self.backend = backend
     self._layers = []
     self._comms: dict[jm.MoEConfig, jm.Communicator] = {}
+    # The custom call on GPUs (one-shot/two-shot, buffers allocated here), psum elsewhere.
+    self._all_reduce = (jm.AllReduce(rules.mesh, rules.tp_axis) if rules.tp_size > 1
+                        else None)
+
+  def tp_sum(self, x):
+    """x summed over the tensor-parallel axis, inside `ShardingRules.per_device` (x itself
+    when tp is 1)."""
+    return x if self._all_reduce is None else self._all_reduce(x)
 
   def register(self, layer: "RoutedExperts") -> None:
     self._layers.append(layer)
@@ -130,7 +144,9 @@ class CommunicatorPool:
             f"RoutedExperts: no Communicator for max_tokens={cfg.max_tokens} per shard; "
             "communicators allocate and must be built outside jit: call "
             "model.prepare(batch, seq) with the shape of this call before jit-compiling it")
-      comm = jm.Communicator(cfg, self.rules.mesh, axis=self.rules.axis, backend=self.backend)
+      # A tp group's ranks hold the same tokens after attention: the DP-group exchange.
+      comm = jm.Communicator(cfg, self.rules.mesh, axis=self.rules.expert_axis,
+                             backend=self.backend, replicated_over=self.rules.tp_axis)
       self._comms[cfg] = comm
     return comm
 
@@ -142,18 +158,24 @@ class CommunicatorPool:
     return jm.available_backends(self.rules.mesh.devices.flat[0].platform)[-1]
 
   def check(self) -> None:
-    """Raises jm.CommError for a run-time error any communicator recorded."""
+    """Raises jm.CommError for a run-time error any communicator (or the AllReduce)
+    recorded."""
     for comm in self._comms.values():
       comm.check()
+    if self._all_reduce is not None:
+      self._all_reduce.check()
 
   def close(self) -> None:
     for comm in self._comms.values():
       comm.close()
     self._comms.clear()
+    if self._all_reduce is not None:
+      self._all_reduce.close()
+      self._all_reduce = None
 
 
 class RoutedExperts(nnx.Module):
-  """E SwiGLU experts, sharded over the expert axis, fed through jax_moe dispatch/combine."""
+  """E SwiGLU experts, sharded over the expert axes, fed through jax_moe dispatch/combine."""
 
   def __init__(self, num_experts: int, dim: int, hidden: int, *, experts_per_token: int,
                rules: ShardingRules, pool: CommunicatorPool, dtype, wire: str | None = None,
@@ -161,9 +183,9 @@ class RoutedExperts(nnx.Module):
     wire = wire or default_wire(dtype)
     if wire not in WIRES:
       raise ValueError(f"RoutedExperts: wire must be one of {WIRES}, got {wire!r}")
-    if num_experts % rules.axis_size:
+    if num_experts % rules.expert_size:
       raise ValueError(f"RoutedExperts: num_experts ({num_experts}) must be divisible by the "
-                       f"expert axis size ({rules.axis_size})")
+                       f"devices the experts are sharded over ({rules.expert_size})")
     self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
     self.experts_per_token = experts_per_token
     self.wire = wire
@@ -176,24 +198,28 @@ class RoutedExperts(nnx.Module):
         return param(rules, shape, logical_axes, dtype)
       return fp8_param(rules, shape, logical_axes, fp8_block)
 
-    self.w_gate_edf = weight((num_experts, dim, hidden), ("experts", "embed", "mlp"))
-    self.w_up_edf = weight((num_experts, dim, hidden), ("experts", "embed", "mlp"))
-    self.w_down_efd = weight((num_experts, hidden, dim), ("experts", "mlp", "embed"))
+    # "expert_mlp", not "mlp": the experts already take the tp axis, the dense MLP's rule
+    self.w_gate_edf = weight((num_experts, dim, hidden), ("experts", "embed", "expert_mlp"))
+    self.w_up_edf = weight((num_experts, dim, hidden), ("experts", "embed", "expert_mlp"))
+    self.w_down_efd = weight((num_experts, hidden, dim), ("experts", "expert_mlp", "embed"))
     pool.register(self)
 
-  def tokens_per_shard(self, num_tokens: int) -> int:
-    return max(1, math.ceil(num_tokens / self.rules.axis_size))
+  def tokens_per_group(self, num_tokens: int) -> int:
+    """Tg: rows each data-parallel group holds, a multiple of tp (equal shares to send)."""
+    tp = self.rules.tp_size
+    return tp * max(1, math.ceil(num_tokens / (self.rules.axis_size * tp)))
 
   def moe_config(self, num_tokens: int) -> jm.MoEConfig:
-    """The exchange for a call with `num_tokens` tokens in total (all shards)."""
-    per_shard = self.tokens_per_shard(num_tokens)
+    """The exchange for a call with `num_tokens` tokens in total (all groups)."""
+    per_group = self.tokens_per_group(num_tokens)
     if self.wire == "exact":
       return jm.MoEConfig(num_experts=self.num_experts, experts_per_token=1, hidden=3 * self.dim,
-                          max_tokens=per_shard * self.experts_per_token,
+                          max_tokens=per_group * self.experts_per_token,
                           dispatch_dtype=jnp.bfloat16)
-    expert = self.rules.axis_size > 1 and per_shard >= EXPERT_REDUCE_MIN_TOKENS
+    sent = per_group // self.rules.tp_size  # rows each rank sends
+    expert = self.rules.expert_size > 1 and sent >= EXPERT_REDUCE_MIN_TOKENS
     return jm.MoEConfig(num_experts=self.num_experts, experts_per_token=self.experts_per_token,
-                        hidden=self.dim, max_tokens=per_shard,
+                        hidden=self.dim, max_tokens=per_group,
                         dispatch_dtype=jnp.float8_e4m3fn if self.wire == "fp8" else jnp.bfloat16,
                         combine_reduce="expert" if expert else "source",
                         partial_dtype=PARTIAL_DTYPE if expert else jnp.float32)
@@ -210,15 +236,16 @@ class RoutedExperts(nnx.Module):
     weights_tk = topk_weights_tk.reshape(T, K).astype(jnp.float32)
     cfg = self.moe_config(T)
     comm = self.pool.get(cfg, tracing=isinstance(x_td, jax.core.Tracer))
-    R, Tp = self.rules.axis_size, self.tokens_per_shard(T)
-    pad = R * Tp - T
+    G, Tp = self.rules.axis_size, self.tokens_per_group(T)
+    pad = G * Tp - T
     x_td = jnp.pad(x_td, ((0, pad), (0, 0)))
     ids_tk = jnp.pad(ids_tk, ((0, pad), (0, 0)), constant_values=-1)
     weights_tk = jnp.pad(weights_tk, ((0, pad), (0, 0)))
     per_shard = self._exact_shard if self.wire == "exact" else self._wire_shard
-    ax = self.rules.axis
+    # tokens over the groups (replicated inside a tp group), experts over every rank
+    rows, experts = P(self.rules.axis), P(self.rules.expert_axis)
     fn = shard_map(lambda *a: per_shard(comm, T, Tp, *a), self.rules.mesh,
-                   in_specs=(P(ax), P(ax), P(ax), P(ax), P(ax), P(ax)), out_specs=P(ax))
+                   in_specs=(rows, rows, rows, experts, experts, experts), out_specs=rows)
     # get_value, not [...]: a BlockFp8Weights is a pytree, P(ax) shards each of its arrays
     y_td = fn(x_td, ids_tk, weights_tk, self.w_gate_edf.get_value(), self.w_up_edf.get_value(),
               self.w_down_efd.get_value())
@@ -226,7 +253,7 @@ class RoutedExperts(nnx.Module):
 
   # ---------------------------------------------------------------- per shard
   def _real_tokens(self, T: int, Tp: int):
-    """Rows of this shard that hold real tokens: the rest is padding and is not sent."""
+    """Rows of this group that hold real tokens: the rest is padding and is not sent."""
     start = jax.lax.axis_index(self.rules.axis) * Tp
     return jnp.clip(T - start, 0, Tp).astype(jnp.int32)
 

@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jax_moe.models import layers
 from jax_moe.models.attention import gqa_attention, update_kv
@@ -81,13 +82,28 @@ class Qwen3MoeConfig:
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg: Qwen3MoeConfig, *, rules: ShardingRules, dtype):
+  """GQA attention, heads tensor-parallel: q, k, v column-parallel (whole heads per rank), o
+  row-parallel and summed over tp. When tp exceeds the kv heads (Qwen3-235B: 4 kv heads on
+  8 ranks) the k and v weights are replicated and each rank projects only the one kv head
+  its query heads read; the cache then holds tp kv heads, copy c of kv head c // (tp / K)."""
+
+  def __init__(self, cfg: Qwen3MoeConfig, *, rules: ShardingRules, pool, dtype):
     D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    tp = rules.tp_size
+    if N % tp:
+      raise ValueError(f"qwen3_moe: num_attention_heads ({N}) must be divisible by tp ({tp})")
+    if K % tp and tp % K:
+      raise ValueError(f"qwen3_moe: num_key_value_heads ({K}) must divide or be divisible by "
+                       f"tp ({tp})")
     self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
+    self.rules, self.pool = rules, pool
+    self.kv_sharded = K % tp == 0
+    self.cache_kv_heads = K if self.kv_sharded else tp
+    kv_axis = "kv_heads" if self.kv_sharded else None
     kw = dict(rules=rules, dtype=dtype, bias=cfg.attention_bias)
     self.q = layers.Linear(D, N * H, logical_axes=("embed", "heads"), **kw)
-    self.k = layers.Linear(D, K * H, logical_axes=("embed", "kv_heads"), **kw)
-    self.v = layers.Linear(D, K * H, logical_axes=("embed", "kv_heads"), **kw)
+    self.k = layers.Linear(D, K * H, logical_axes=("embed", kv_axis), **kw)
+    self.v = layers.Linear(D, K * H, logical_axes=("embed", kv_axis), **kw)
     self.o = layers.Linear(N * H, D, logical_axes=("heads", "embed"), **kw)
     self.q_norm = layers.RMSNorm(H, cfg.rms_norm_eps, rules=rules, dtype=dtype,
                                  logical_axis="head_dim")
@@ -95,19 +111,48 @@ class Attention(nnx.Module):
                                  logical_axis="head_dim")
 
   def __call__(self, x_bsd, cos, sin, positions_bs, kv_cache=None, index=None):
+    """(y [B, S, D], new kv cache or None); batch data-parallel, heads over tp."""
+    spec = lambda a, *axes: self.rules.spec_for(a.shape, ("batch",) + axes)
+    x_spec = spec(x_bsd, None, None)
+    in_specs = [x_spec, spec(cos, None, None), spec(sin, None, None), spec(positions_bs, None)]
+    args = [x_bsd, cos, sin, positions_bs]
+    out_specs = x_spec
+    if kv_cache is not None:
+      cache_spec = spec(kv_cache[0], None, "kv_heads", None)
+      args += [*kv_cache, index]
+      in_specs += [cache_spec, cache_spec, P()]
+      out_specs = (x_spec, (cache_spec, cache_spec))
+    out = self.rules.per_device(Attention._local, self, *args, in_specs=tuple(in_specs),
+                                out_specs=out_specs)
+    return out if kv_cache is not None else (out, None)
+
+  def _kv(self, linear, x_bsd):
+    """This rank's kv heads of x: its columns of a sharded weight, or, from a replicated one,
+    the one kv head its query heads read."""
+    if self.kv_sharded:
+      return linear(x_bsd)
+    H, tp = self.head_dim, self.rules.tp_size
+    start = jax.lax.axis_index(self.rules.tp_axis) // (tp // self.num_kv_heads) * H
+    w = jax.lax.dynamic_slice_in_dim(linear.w[...], start, H, axis=1)
+    y = jnp.einsum("...d,dh->...h", x_bsd, w)
+    return y if linear.b is None else y + jax.lax.dynamic_slice_in_dim(linear.b[...], start, H)
+
+  def _local(self, x_bsd, cos, sin, positions_bs, *cache_and_index):
     B, S, _ = x_bsd.shape
-    q_bsnh = self.q_norm(self.q(x_bsd).reshape(B, S, self.num_heads, self.head_dim))
-    k_bskh = self.k_norm(self.k(x_bsd).reshape(B, S, self.num_kv_heads, self.head_dim))
-    v_bskh = self.v(x_bsd).reshape(B, S, self.num_kv_heads, self.head_dim)
+    q_bsnh = self.q_norm(self.q(x_bsd).reshape(B, S, -1, self.head_dim))
+    k_bskh = self.k_norm(self._kv(self.k, x_bsd).reshape(B, S, -1, self.head_dim))
+    v_bskh = self._kv(self.v, x_bsd).reshape(B, S, -1, self.head_dim)
     q_bsnh, k_bskh = layers.apply_rope(q_bsnh, cos, sin), layers.apply_rope(k_bskh, cos, sin)
-    if kv_cache is None:
+    if not cache_and_index:
       k_btkh, v_btkh = k_bskh, v_bskh
     else:
-      k_btkh, v_btkh = kv_cache = update_kv(*kv_cache, k_bskh, v_bskh, index)
+      cache_k, cache_v, index = cache_and_index
+      k_btkh, v_btkh = update_kv(cache_k, cache_v, k_bskh, v_bskh, index)
     kv_positions_t = jnp.arange(k_btkh.shape[1], dtype=jnp.int32)
     out = gqa_attention(q_bsnh, k_btkh, v_btkh, positions_bs, kv_positions_t,
                         self.head_dim ** -0.5)
-    return self.o(out.reshape(B, S, -1)), kv_cache
+    y_bsd = layers.row_parallel(self.o, out.reshape(B, S, -1), self.pool)
+    return y_bsd if not cache_and_index else (y_bsd, (k_btkh, v_btkh))
 
 
 class SparseMoe(nnx.Module):
@@ -137,7 +182,7 @@ class SparseMoe(nnx.Module):
 class DecoderLayer(nnx.Module):
   def __init__(self, cfg: Qwen3MoeConfig, i: int, *, rules, pool, dtype, wire, fp8_block):
     self.input_norm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rules=rules, dtype=dtype)
-    self.attn = Attention(cfg, rules=rules, dtype=dtype)
+    self.attn = Attention(cfg, rules=rules, pool=pool, dtype=dtype)
     self.post_attn_norm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rules=rules,
                                          dtype=dtype)
     self.is_moe = cfg.is_moe_layer(i)
@@ -145,7 +190,8 @@ class DecoderLayer(nnx.Module):
       self.mlp = SparseMoe(cfg, rules=rules, pool=pool, dtype=dtype, wire=wire,
                            fp8_block=fp8_block)
     else:
-      self.mlp = layers.DenseMLP(cfg.hidden_size, cfg.intermediate_size, rules=rules, dtype=dtype)
+      self.mlp = layers.DenseMLP(cfg.hidden_size, cfg.intermediate_size, rules=rules,
+                                 pool=pool, dtype=dtype)
 
   def __call__(self, x_bsd, cos, sin, positions_bs, kv_cache=None, index=None):
     h, kv_cache = self.attn(self.input_norm(x_bsd), cos, sin, positions_bs, kv_cache, index)
@@ -169,8 +215,10 @@ class Qwen3MoeForCausalLM(CausalLM):
     return self.final_logits(x_bsd, self.embed_tokens, cache, new_layers)
 
   def init_cache(self, batch: int, max_len: int) -> Cache:
-    shape = (batch, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim)
-    sharding = self.rules.sharding(shape, ("batch", None, None, None))
+    """k and v [B, T, kv heads, H] per layer: batch data-parallel, kv heads over tp (tp
+    copies of them when tp exceeds them, see Attention)."""
+    shape = (batch, max_len, self.layers[0].attn.cache_kv_heads, self.cfg.head_dim)
+    sharding = self.rules.sharding(shape, ("batch", None, "kv_heads", None))
     zeros = lambda: jax.device_put(jnp.zeros(shape, self.dtype), sharding)
     return Cache(layers=tuple((zeros(), zeros()) for _ in self.layers), index=jnp.int32(0))
 

@@ -18,6 +18,7 @@ from jax_moe import models
 from jax_moe.grouped_gemm import BlockFp8Weights
 from jax_moe.models import deepseek_v3, loader, mla, yarn
 from jax_moe.models.checkpoint import CheckpointError
+from jax_moe.models.moe import CommunicatorPool
 from jax_moe.models.sharding import ShardingRules
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -130,8 +131,9 @@ def _random_attention(config, seed):
   with torch.no_grad():
     for p in theirs.parameters():
       p.normal_(0, 0.3)
-  ours = mla.MultiHeadLatentAttention(mla.MLAConfig.from_hf(config.to_dict()),
-                                      rules=_one_device_rules(), dtype=jnp.float32)
+  rules = _one_device_rules()
+  ours = mla.MultiHeadLatentAttention(mla.MLAConfig.from_hf(config.to_dict()), rules=rules,
+                                      pool=CommunicatorPool(rules), dtype=jnp.float32)
   _load_attention(ours, theirs)
   return ours, theirs
 
