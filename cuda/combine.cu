@@ -231,10 +231,11 @@ combine_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
                const float* topk_weights, uint4* out) {
   const MoeDims& d = v.dims;
   const NvlinkLayout lay = nvlink_layout(d, v.chunks);
-  if (!halves_in_order(v, kSeqCombineSend, kSeqCombineRecv, kPhases,
+  const HalfCounts counts = half_counts(v, kSeqCombineSend, kSeqCombineRecv);
+  load_peers(v);
+  if (!halves_in_order(v, counts, kPhases,
                        (kPhases & kPhaseSend) ? kStageCombineSend : kStageCombineRecv))
     return;
-  load_peers(v);
   if (kPhases & kPhaseSend) {
     clock_mark(v, kClockCombine, kMarkSendStart);
     const uint64_t seq = chunk_seq(v, kSeqCombineSend, blockIdx.x);
