@@ -88,3 +88,18 @@ def test_bench_decode_realistic_shapes_are_the_served_models(monkeypatch):
       attention = h * 64 * 128 + 2 * h * 4 * 128 + 64 * 128 * h + 2 * 128
       per_layer = attention + 128 * 3 * h * f + 128 * h + 2 * h
     assert count == 2 * v * h + h + layers * per_layer, name
+
+
+def test_generate_tensor_parallel_gives_the_data_parallel_tokens(tmp_path):
+  """`--tp 4` (a (2, 4) mesh: 4 query heads and 2 kv heads over tp, kv heads replicated) gives
+  the tokens of the 1-D mesh, f32, same prompts."""
+  runs = {}
+  for tp in (1, 4):
+    done = _run(["-m", "jax_moe.cli", "generate", "--model", "tiny-qwen3-moe", "--tp", str(tp),
+                 "--dtype", "f32", "--batch", "4", "--prompt-len", "4", "--max-new-tokens", "3",
+                 "--json"], tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    runs[tp] = json.loads(done.stdout.strip().splitlines()[-1])
+  assert runs[4]["mesh"] == {"dp": 2, "tp": 4} and runs[1]["mesh"] == {"ep": 8}
+  assert runs[4]["prompt_tokens"] == runs[1]["prompt_tokens"]
+  assert runs[4]["tokens"] == runs[1]["tokens"]
