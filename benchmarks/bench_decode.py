@@ -33,6 +33,7 @@ from flax import nnx  # noqa: E402
 
 import jax_moe as jm  # noqa: E402
 from benchmarks import report  # noqa: E402
+from benchmarks.arguments import csv_list  # noqa: E402
 from benchmarks.environment import device_slug, ep_mesh, provenance  # noqa: E402
 from benchmarks.timing import summarize, time_per_iteration  # noqa: E402
 from jax_moe import models  # noqa: E402
@@ -75,11 +76,6 @@ def _csv(text: str) -> list[str]:
   return [v.strip() for v in text.split(",") if v.strip()]
 
 
-def _ints(text: str) -> list[int]:
-  values = _csv(text)
-  if not values or not all(v.isdigit() and int(v) > 0 for v in values):
-    raise argparse.ArgumentTypeError(f"expected positive integers like 32,128, got {text!r}")
-  return [int(v) for v in values]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="override every model's num_hidden_layers")
   p.add_argument("--backends", type=_csv, default=None,
                  help="jax_moe backends (default: jm.available_backends())")
-  p.add_argument("--batch", type=_ints, default=None,
+  p.add_argument("--batch", type=csv_list(convert=int), default=None,
                  help="sequences decoded together, comma-separated for several runs "
                       "(default: 16 per device)")
   p.add_argument("--copy-mib", type=int, default=None,
@@ -121,6 +117,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--short-steps must be in [0, --steps), got {args.short_steps} and {args.steps}")
   if args.reps < 1 or args.prompt_len < 1:
     p.error("--reps and --prompt-len must be >= 1")
+  if args.batch is not None and (not args.batch or min(args.batch) < 1):
+    p.error(f"--batch takes positive integers like 32,128, got {args.batch}")
   if args.layers is not None and args.layers < 1:
     p.error(f"--layers must be >= 1, got {args.layers}")
   return args

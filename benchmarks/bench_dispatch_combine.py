@@ -119,7 +119,7 @@ def run_method(method: methods.Method, mesh, device_inputs, args) -> dict:
     else:
       timing, out = time_per_iteration(run, args.short_iters, args.iters, args.reps,
                                        args.budget_s)
-      record["time"] = per_step(timing, steps)
+      record["time"] = {**per_step(timing, steps), "steps_per_iteration": steps}
       record["correctness_after_timing"] = method.check(out, timing["n_long"] * steps)
       method.after_run()
       passed = record["correctness_after_timing"]["passed"]

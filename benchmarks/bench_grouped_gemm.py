@@ -56,7 +56,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 from benchmarks.arguments import csv_list  # noqa: E402
 from benchmarks.environment import device_slug, provenance  # noqa: E402
-from benchmarks.timing import time_per_iteration, wall_time  # noqa: E402
+from benchmarks.timing import per_step, time_per_iteration, wall_time  # noqa: E402
 from jax_moe import grouped_gemm as gg  # noqa: E402
 
 # name: (rows M, groups G, K, N, kind) -- issue 20's shapes
@@ -279,10 +279,7 @@ def time_program(run, args_ns, calls: int = 1) -> dict:
   compile_s, _ = wall_time(run, 1)
   summary, _ = time_per_iteration(run, args_ns.short_iters, args_ns.iters, args_ns.reps,
                                   args_ns.budget_s)
-  if calls > 1:
-    for key in ("median_us", "p10_us", "p90_us", "min_us", "max_us"):
-      summary[key] /= calls
-    summary["samples_us"] = [v / calls for v in summary["samples_us"]]
+  summary = per_step(summary, calls)
   summary["first_call_s"] = compile_s
   summary["calls_per_iteration"] = calls
   return summary

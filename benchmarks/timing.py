@@ -113,11 +113,12 @@ def summarize(samples_us: list[float]) -> dict:
 
 
 def per_step(timing: dict, steps: int) -> dict:
-  """A time_per_iteration summary of loops of `steps` bodies per iteration, per body."""
+  """A time_per_iteration summary of loops of `steps` bodies per iteration, per body (the
+  caller records `steps` under its own name)."""
   out = {k: (v / steps if k.endswith("_us") and k != "samples_us" else v)
          for k, v in timing.items()}
   out["samples_us"] = [v / steps for v in timing["samples_us"]]
-  return {**out, "steps_per_iteration": steps}
+  return out
 
 
 def time_per_iteration(run: Callable[[int], object], n_short: int, n_long: int, reps: int,

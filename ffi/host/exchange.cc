@@ -117,6 +117,16 @@ void quantize_row(const MoeDims& d, const uint16_t* row, char* slot) {
   }
 }
 
+// docs/semantics.md, CALL_ORDER: a send needs every earlier send received (sent ==
+// received), a receive exactly one send pending (sent == received + 1). Records CALL_ORDER
+// (detail: sends not yet received) otherwise; the call then does nothing more.
+bool halves_in_order(HostRankState& s, uint64_t sent, uint64_t received, bool send,
+                     int32_t stage) {
+  if (sent == received + (send ? 0 : 1)) return true;
+  s.record_error(kCallOrder, stage, int32_t(sent - received));
+  return false;
+}
+
 }  // namespace
 
 void dispatch_send(HostRankState& s, RowInput input, const void* x, const float* x_scales,
@@ -127,10 +137,7 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
   const int T = d.max_tokens, K = d.topk, H = d.hidden, me = d.rank;
   const int nb = scale_blocks(d);
   std::fill(send_dest, send_dest + size_t(T) * K, -1);
-  if (s.dispatch_recv_seq != s.dispatch_seq) {  // the previous send was not received
-    s.record_error(kCallOrder, kStageDispatchSend, int32_t(s.dispatch_seq - s.dispatch_recv_seq));
-    return;
-  }
+  if (!halves_in_order(s, s.dispatch_seq, s.dispatch_recv_seq, true, kStageDispatchSend)) return;
   const uint64_t seq = s.dispatch_seq + 1;
   // Never overwrite a region its receiver has not consumed yet.
   if (!wait_all(s, lay.dispatch_ack, seq - 1, kStageDispatchSend, Signal::kDispatchAck,
@@ -229,10 +236,7 @@ void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
   std::fill(tokens_per_expert, tokens_per_expert + L, 0);
   std::fill(slot_rows, slot_rows + size_t(R) * T * K, -1);
   const uint64_t seq = s.dispatch_seq;
-  if (s.dispatch_recv_seq + 1 != seq) {  // no send pending
-    s.record_error(kCallOrder, kStageDispatchRecv, int32_t(seq - s.dispatch_recv_seq));
-    return;
-  }
+  if (!halves_in_order(s, seq, s.dispatch_recv_seq, false, kStageDispatchRecv)) return;
   s.dispatch_recv_seq = seq;
   if (!wait_all(s, lay.dispatch_flag, seq, kStageDispatchRecv, Signal::kDispatch,
                 std::vector<uint64_t>(R, kDispatchRouteWrites))) {
@@ -310,10 +314,7 @@ void combine_send(HostRankState& s, const uint16_t* y, const int32_t* slot_rows,
   const int R = d.world, T = d.max_tokens, K = d.topk, C = d.capacity, H = d.hidden;
   const int me = d.rank;
   *done = 0;
-  if (s.combine_recv_seq != s.combine_seq) {  // the previous send was not received
-    s.record_error(kCallOrder, kStageCombineSend, int32_t(s.combine_seq - s.combine_recv_seq));
-    return;
-  }
+  if (!halves_in_order(s, s.combine_seq, s.combine_recv_seq, true, kStageCombineSend)) return;
   const uint64_t seq = s.combine_seq + 1;
   // Never overwrite a combine region its source has not consumed yet.
   if (!wait_all(s, lay.combine_ack, seq - 1, kStageCombineSend, Signal::kCombineAck,
@@ -377,10 +378,7 @@ void combine_recv(HostRankState& s, const int32_t* send_dest, const float* topk_
   const int R = d.world, T = d.max_tokens, K = d.topk, H = d.hidden;
   std::fill(out, out + size_t(T) * H, uint16_t{0});
   const uint64_t seq = s.combine_seq;
-  if (s.combine_recv_seq + 1 != seq) {  // no send pending
-    s.record_error(kCallOrder, kStageCombineRecv, int32_t(seq - s.combine_recv_seq));
-    return;
-  }
+  if (!halves_in_order(s, seq, s.combine_recv_seq, false, kStageCombineRecv)) return;
   s.combine_recv_seq = seq;
   if (!wait_all(s, lay.combine_flag, seq, kStageCombineRecv, Signal::kCombine,
                 combine_writes(s, send_dest))) {

@@ -57,8 +57,7 @@ class CudaBackend(NativeBackend):
     """{device ordinal: {kernel: {mark: [ns per block]}}} of the latest launches
     (cuda/stage_clock.cuh); empty unless built with JAX_MOE_STAGE_CLOCKS=1 over NVLink."""
     module = native.load()
-    clocks = {o: module.cuda_stage_clocks(self.comm_id, o)
-              for o in getattr(self._ranks, "ordinals", [])}
+    clocks = {o: module.cuda_stage_clocks(self.comm_id, o) for o in self._ranks.ordinals}
     return {o: c for o, c in clocks.items() if c is not None}
 
   def _call(self, target: str, result_types, *args):
