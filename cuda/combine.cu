@@ -231,10 +231,8 @@ combine_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
                const float* topk_weights, uint4* out) {
   const MoeDims& d = v.dims;
   const NvlinkLayout lay = nvlink_layout(d, v.chunks);
-  const HalfCounts counts = half_counts(v, kSeqCombineSend, kSeqCombineRecv);
-  load_peers(v);
-  if (!halves_in_order(v, counts, kPhases,
-                       (kPhases & kPhaseSend) ? kStageCombineSend : kStageCombineRecv))
+  if (!begin_launch(v, kSeqCombineSend, kSeqCombineRecv, kPhases, kStageCombineSend,
+                    kStageCombineRecv))
     return;
   if (kPhases & kPhaseSend) {
     clock_mark(v, kClockCombine, kMarkSendStart);

@@ -513,10 +513,8 @@ dispatch_kernel(CommView v, TokenInput input, const void* x,
   const MoeDims& d = v.dims;
   const NvlinkLayout lay = nvlink_layout(d, v.chunks);
   extern __shared__ __align__(16) int32_t smem[];  // dispatch_smem_bytes(d)
-  const HalfCounts counts = half_counts(v, kSeqDispatchSend, kSeqDispatchRecv);
-  load_peers(v);
-  if (!halves_in_order(v, counts, kPhases,
-                       (kPhases & kPhaseSend) ? kStageDispatchSend : kStageDispatchRecv))
+  if (!begin_launch(v, kSeqDispatchSend, kSeqDispatchRecv, kPhases, kStageDispatchSend,
+                    kStageDispatchRecv))
     return;
 
   if (kPhases & kPhaseSend) {

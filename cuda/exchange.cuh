@@ -15,7 +15,7 @@ constexpr int kMaxWorld = 64;  // ranks of a communicator (state.cc refuses more
 
 // This block's copy of the peer table. v.peers lives in global memory, where any store the
 // kernel makes might alias it, so every use inside a copy loop was a fresh global load;
-// load_peers() fills this once at kernel start.
+// load_peers() fills this once at kernel start (begin_launch).
 static __shared__ char* block_peers[kMaxWorld];
 
 __device__ inline void load_peers(const CommView& v) {
@@ -40,27 +40,23 @@ __device__ inline uint64_t chunk_seq(const CommView& v, ChunkCounter counter, in
   return v.chunk_seq[size_t(counter) * v.chunks + c] + 1;
 }
 
-// This block's first chunk's counters of a send phase and its receive phase, read at kernel
-// start (before load_peers, so the two round trips overlap) for halves_in_order.
-struct HalfCounts {
-  uint64_t sent, received;
-};
-
-__device__ inline HalfCounts half_counts(const CommView& v, ChunkCounter send,
-                                         ChunkCounter recv) {
-  return HalfCounts{v.chunk_seq[size_t(send) * v.chunks + blockIdx.x],
-                    v.chunk_seq[size_t(recv) * v.chunks + blockIdx.x]};
-}
-
-// Whether this launch's halves come in the order the protocol needs (docs/semantics.md,
-// CALL_ORDER): a send when every earlier send was received, a receive alone when exactly one
-// send is pending (every block's counters move together, so its first chunk's say it).
-// Records CALL_ORDER (detail: sends not yet received) otherwise; the launch then does nothing.
-__device__ inline bool halves_in_order(const CommView& v, HalfCounts c, int phases,
-                                       int32_t stage) {
-  const bool in_order = (phases & kPhaseSend) ? c.sent == c.received : c.sent == c.received + 1;
+// The start of every dispatch/combine launch: this block's copy of the peer table, and whether
+// the launch's halves come in the order the protocol needs (docs/semantics.md, CALL_ORDER): a
+// send when every earlier send was received, a receive alone when exactly one send is pending
+// (judged on this block's first chunk; every block's counters move together). The counters
+// load before the peer table so the two round trips overlap. Out of order, it records
+// CALL_ORDER (detail: sends not yet received; stage: `send_stage` or `recv_stage`) and the
+// launch does nothing.
+__device__ inline bool begin_launch(const CommView& v, ChunkCounter send, ChunkCounter recv,
+                                    int phases, int32_t send_stage, int32_t recv_stage) {
+  const uint64_t sent = v.chunk_seq[size_t(send) * v.chunks + blockIdx.x];
+  const uint64_t received = v.chunk_seq[size_t(recv) * v.chunks + blockIdx.x];
+  load_peers(v);
+  const bool is_send = phases & kPhaseSend;
+  const bool in_order = is_send ? sent == received : sent == received + 1;
   if (!in_order && threadIdx.x == 0)
-    record_error(v, kCallOrder, stage, static_cast<int32_t>(c.sent - c.received));
+    record_error(v, kCallOrder, is_send ? send_stage : recv_stage,
+                 static_cast<int32_t>(sent - received));
   return in_order;
 }
 
