@@ -88,8 +88,11 @@ __device__ void send_partials(const CommView& v, const NvlinkLayout& lay, uint64
                 (size_t(me) * T + t) * d.hidden * pbytes;
     const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
     // Each lane sums kChunksPerLane vectors at once: up to kBatch * kChunksPerLane loads in
-    // flight before the sums, which run in k order for every element.
-    for (int c0 = begin + lane; c0 < end; c0 += 32 * kChunksPerLane) {
+    // flight before the sums, which run in k order for every element. The loop bound is the
+    // warp's, not the lane's: every lane must reach the weight shuffle (a lane past `end` with
+    // a row of fewer than 32 vectors, hidden 128, left it waiting for ever).
+    for (int base = begin; base < end; base += 32 * kChunksPerLane) {
+      const int c0 = base + lane;
       float acc[kChunksPerLane][8];
 #pragma unroll
       for (int j = 0; j < kChunksPerLane; ++j)

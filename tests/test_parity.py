@@ -52,6 +52,19 @@ def test_expert_reduce_combine(backend, axis_size, dispatch, partial_dtype, scen
     check_combine(setup, inputs, result, expected)
 
 
+@pytest.mark.parametrize("partial_dtype", ("float32", "bfloat16"))
+@pytest.mark.parametrize("axis_size", (1, 2))
+def test_expert_reduce_combine_of_rows_narrower_than_a_warp(backend, axis_size, partial_dtype,
+                                                            rng):
+    """hidden 128: 16 vectors a row, fewer than a warp's lanes (the cuda send once left half a
+    warp out of a shuffle and hung here)."""
+    setup = Setup(backend, axis_size, "bf16", combine_reduce="expert", partial_dtype=partial_dtype,
+                  hidden=128)
+    inputs, result, expected = run_case(setup, rng, "random")
+    assert_dispatch_matches(result.first, expected)
+    check_combine(setup, inputs, result, expected)
+
+
 @pytest.mark.parametrize("axis_size", (1, 4))
 def test_non_finite_tokens_quantize_like_the_spec(backend, axis_size, rng):
     """fp8 dispatch of tokens holding NaN and +-Inf: codes bit for bit, scales NaN/Inf as the
