@@ -36,7 +36,8 @@ from benchmarks import report  # noqa: E402
 from benchmarks.arguments import csv_list  # noqa: E402
 from benchmarks.environment import device_slug, ep_mesh, provenance  # noqa: E402
 from benchmarks.timing import summarize, time_per_iteration  # noqa: E402
-from jax_moe import models  # noqa: E402
+from jax_moe import grouped_gemm, models  # noqa: E402
+from jax_moe.models.moe import GEMM_IMPLEMENTATION  # noqa: E402
 
 PARITY_TOLERANCE = 1e-5  # f32 twins, exact wire: only summation order may differ
 # A larger model than the embedded tiny ones: Qwen3-MoE-like, 4 layers, 64 experts top-8.
@@ -166,6 +167,7 @@ def check_backends(name, mesh, backends, args, batch) -> dict:
                                                                     args.seed)))
       model.pool.check()
       model.pool.close()
+      del model  # before the next backend's twin is built: one model in HBM at a time
     ref = logits[backends[0]]
     parity[key] = {b: float(np.abs(v - ref).max() / np.abs(ref).max()) for b, v in logits.items()}
   parity["ok"] = all(gap <= PARITY_TOLERANCE for gap in parity["f32_exact"].values())
@@ -300,6 +302,13 @@ def main(argv=None) -> int:
   copy_mib = args.copy_mib if args.copy_mib is not None else (
       4096 if jax.default_backend() == "gpu" else 0)
   copy = measure_copy_bandwidth(copy_mib, args.reps) if copy_mib else None
+  tokamax_ok, gemm = grouped_gemm.tokamax_status()
+  if jax.default_backend() == "gpu" and not tokamax_ok:
+    # Seen at 5f5a9ce on one H200: dsv3-ep8-share at batch 128 (4096 prompt tokens) asked for
+    # one 14.7 GiB buffer in prefill, the size of [32 experts, capacity, 7168] bf16.
+    print(f"warning: the experts' grouped GEMMs fall back to jax.lax.ragged_dot ({gemm}); on "
+          "GPUs it is several times slower than tokamax's kernel and at prefill sizes of the "
+          "realistic models it runs out of memory", file=sys.stderr)
   if copy is not None:
     print(f"copy bandwidth {copy['tb_per_s']:.2f} TB/s read + written ({copy['method']})")
   results, parity = [], {}
@@ -324,6 +333,8 @@ def main(argv=None) -> int:
                  "dtype": "bfloat16", "backends": backends, "seed": args.seed,
                  "models": {name: model_config(name, args.layers) for name in args.models}},
       "copy_bandwidth": copy,
+      "grouped_gemm": {"implementation": GEMM_IMPLEMENTATION,
+                       "tokamax": tokamax_ok, "status": gemm},
       "parity": parity,
       "results": results,
   }

@@ -3,7 +3,8 @@
 # tests/models on the GPUs with every available backend (xla and cuda), the README's main
 # command with each backend, and benchmarks/bench_decode.py for backends xla and cuda.
 # Everything lands in one file, $OUT/models_<gpus>gpu.tar.gz (logs, JSON, PNG).
-#   GIT_COMMIT=<sha> benchmarks/gpu_models.sh [STEP...]   (default: tests generate bench)
+#   GIT_COMMIT=<sha> benchmarks/gpu_models.sh [STEP...]   (default: tests generate bench;
+#   also: realistic, issue 16's DeepSeek-V3 and Qwen3-235B shapes)
 # GIT_COMMIT is the commit to record (the device tool's copies have no .git). Build always
 # runs; a step list lets a 10-minute call do part of the work (tests ~4 min, bench ~4 min).
 set -u -o pipefail
@@ -31,6 +32,13 @@ if ! python3 -m pip install --no-build-isolation --no-deps -e . \
   exit 1
 fi
 echo "build: ok ($(( $(date +%s) - started )) s)" | tee -a "$logs/summary.txt"
+# tokamax (the experts' grouped GEMM on Hopper) from wheels the run carries in .whl/, since the
+# GPU machines have no package index
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/jax_moe_site .whl/*.whl > "$logs/wheels.log" 2>&1 \
+    && export PYTHONPATH=/tmp/jax_moe_site${PYTHONPATH:+:$PYTHONPATH}
+fi
 python3 -c "import jax, jax_moe as jm; print(jm.build_info()); print('backends', jm.available_backends(), jax.devices())" \
   2>&1 | tee -a "$logs/summary.txt"
 
@@ -62,6 +70,11 @@ for s in "${steps[@]}"; do
       step bench_decode 300 python3 benchmarks/bench_decode.py --backends xla,cuda \
         --out "$logs/results" --git-commit "${GIT_COMMIT:-unknown}"
       tail -8 "$logs/bench_decode.log" ;;
+    realistic)  # issue 16's shapes at batch 128 (needs tokamax: lax.ragged_dot runs out of HBM)
+      step bench_decode_realistic 540 python3 benchmarks/bench_decode.py \
+        --models dsv3-ep8-share,qwen3-235b-shape --batch 128 --backends xla,cuda --reps 3 \
+        --budget-s 3 --out "$logs/results-realistic" --git-commit "${GIT_COMMIT:-unknown}"
+      tail -8 "$logs/bench_decode_realistic.log" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

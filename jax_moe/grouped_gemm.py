@@ -142,7 +142,7 @@ def _check_arguments(lhs, rhs, group_sizes, preferred_element_type, implementati
       raise TypeError(f"ragged_dot: {name} must be an array, got {type(value).__name__}")
     if len(shape) != rank:
       raise ValueError(f"ragged_dot: {name} must have rank {rank}, got shape {tuple(shape)}")
-  (m, k), (g, k_rhs, n) = lhs.shape, rhs.shape
+  (_, k), (g, k_rhs, _) = lhs.shape, rhs.shape
   if k != k_rhs:
     raise ValueError(f"ragged_dot: lhs {tuple(lhs.shape)} and rhs {tuple(rhs.shape)} must "
                      f"share the contraction size K (lhs.shape[1] == rhs.shape[1])")

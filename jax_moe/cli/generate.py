@@ -50,6 +50,10 @@ def add_parser(commands) -> None:
                        help="wrap each text prompt in the chat template (tokenizer_config.json) "
                             "as one user message")
   generate.add_argument("--max-new-tokens", type=int, default=16)
+  generate.add_argument("--steps-per-call", type=int, default=None,
+                        help="decode steps each device call runs, a loop on the device; tokens "
+                             "stream in groups of this many (None: "
+                             "jax_moe.models.generation.STEPS_PER_CALL)")
   generate.add_argument("--ignore-eos", action="store_true",
                         help="do not stop a sequence at an end-of-sequence id")
   generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -257,7 +261,8 @@ def run(args) -> int:
   try:
     model, source = _build_model(args, inputs["reader"], mesh)
     generator = PromptGenerator(model, prompts, args.max_new_tokens, args.temperature,
-                                args.top_p)
+                                args.top_p, **({} if args.steps_per_call is None else
+                                               {"steps_per_call": args.steps_per_call}))
   except (models.CheckpointError, NotImplementedError, ValueError) as e:
     _error(str(e))
     return 2

@@ -14,7 +14,7 @@ from transformers import Qwen3MoeConfig
 
 from hf_tiny import hf_greedy, qwen3_moe_kwargs, random_ids, save_tiny
 from jax_moe import models
-from jax_moe.models.generation import sample
+from jax_moe.models.generation import PromptGenerator, sample
 
 NEW_TOKENS = 8
 
@@ -88,3 +88,52 @@ def test_bad_prompt(mesh_of):
     models.generate(model, np.zeros(4, np.int32), 2)
   with pytest.raises(ValueError, match="max_new_tokens"):
     models.generate(model, np.zeros((1, 4), np.int32), 0)
+
+
+# ------------------------------------------------------- PromptGenerator's on-device loop
+def _prompt_run(model, prompts, max_new, steps_per_call, **kwargs):
+  run_kwargs = {k: kwargs.pop(k) for k in ("eos_ids", "seed") if k in kwargs}
+  generator = PromptGenerator(model, prompts, max_new, steps_per_call=steps_per_call, **kwargs)
+  return generator.run(**run_kwargs)
+
+
+@pytest.fixture(scope="module")
+def f32_tiny():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("ep",))
+  return models.tiny("tiny-qwen3-moe", mesh=mesh, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("sampling", (dict(), dict(temperature=1.0, top_p=0.9, seed=3)))
+def test_calls_of_several_steps_give_the_one_step_tokens(f32_tiny, sampling):
+  """Prompts of three lengths: 1, 3 and 8 steps a call (8 > the steps needed: one call runs
+  past the end) give the same tokens, sampled ones included (a position's key is fixed)."""
+  prompts = [[5, 9], [1, 2, 3, 4, 5], [7, 7, 7]]
+  runs = [_prompt_run(f32_tiny, prompts, 6, n, **dict(sampling)) for n in (1, 3, 8)]
+  assert [len(t) for t in runs[0].tokens] == [6, 6, 6]
+  for run in runs[1:]:
+    assert run.tokens == runs[0].tokens
+    assert run.decode_steps == runs[0].decode_steps == 5 + 3  # up to the longest prompt's end
+
+
+def test_greedy_prompts_of_one_length_give_generate_tokens(f32_tiny):
+  ids = np.array([[3, 1, 4], [1, 5, 9]], np.int32)
+  want = np.asarray(models.generate(f32_tiny, ids, 5))[:, 3:]
+  got = _prompt_run(f32_tiny, ids.tolist(), 5, 4).tokens
+  np.testing.assert_array_equal(np.array(got), want)
+
+
+def test_a_sequence_stops_at_eos_in_the_middle_of_a_call(f32_tiny):
+  prompts = [[5, 9], [1, 2, 3, 4, 5]]
+  free = _prompt_run(f32_tiny, prompts, 8, 1).tokens
+  eos = free[0][2]
+  cut = free[0].index(eos) + 1
+  got = _prompt_run(f32_tiny, prompts, 8, 4, eos_ids=(eos,))
+  assert got.tokens[0] == free[0][:cut] and got.stopped[0]
+  other = free[1][:free[1].index(eos) + 1] if eos in free[1] else free[1]
+  assert got.tokens[1] == other
+
+
+def test_bad_steps_per_call(f32_tiny):
+  for bad in (0, 2.5):
+    with pytest.raises(ValueError, match="steps_per_call must be an int >= 1"):
+      PromptGenerator(f32_tiny, [[1, 2]], 3, steps_per_call=bad)
