@@ -7,6 +7,8 @@ backends are checked against each other: f32 twins of the model with the exact M
 magnitude, and the bf16 models' logits gap is recorded. Then, per backend, the bf16 model
 prefills a random prompt and runs greedy decode steps inside one jit (lax.fori_loop over the
 step), timed as (t(n_long) - t(n_short)) / (n_long - n_short) per step (benchmarks/timing.py).
+The prefill is timed the same way (prefills chained in a fori_loop) and given as TFLOP/s per
+device and as a fraction of the device's dense bf16 peak (model FLOPs: benchmarks/flops.py).
 
 Writes <out>/decode_<device>.json and .png and prints a table last.
 
@@ -32,7 +34,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jax_moe as jm  # noqa: E402
-from benchmarks import report  # noqa: E402
+from benchmarks import flops, report  # noqa: E402
 from benchmarks.arguments import csv_list  # noqa: E402
 from benchmarks.environment import device_slug, ep_mesh, provenance  # noqa: E402
 from benchmarks.timing import summarize, time_per_iteration  # noqa: E402
@@ -103,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--ep", type=int, default=None, help="use the first N devices (default all)")
   p.add_argument("--steps", type=int, default=32, help="decode steps of the long timed loop")
   p.add_argument("--short-steps", type=int, default=4, help="decode steps of the short loop")
+  p.add_argument("--prefill-calls", type=int, default=4,
+                 help="prefills of the long timed loop (the short loop runs one)")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--budget-s", type=float, default=30.0,
                  help="shorten the long loop to about this many seconds")
@@ -118,6 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--short-steps must be in [0, --steps), got {args.short_steps} and {args.steps}")
   if args.reps < 1 or args.prompt_len < 1:
     p.error("--reps and --prompt-len must be >= 1")
+  if args.prefill_calls < 2:
+    p.error(f"--prefill-calls must be >= 2, got {args.prefill_calls}")
   if args.batch is not None and (not args.batch or min(args.batch) < 1):
     p.error(f"--batch takes positive integers like 32,128, got {args.batch}")
   if args.layers is not None and args.layers < 1:
@@ -175,7 +181,8 @@ def check_backends(name, mesh, backends, args, batch) -> dict:
 
 
 def decode_program(model, batch, prompt_len, max_len):
-  """jit(prefill) and jit(n greedy decode steps in a fori_loop) for one model."""
+  """jit(prefill), jit(n prefills in a fori_loop) and jit(n greedy decode steps in a
+  fori_loop) for one model."""
   model.prepare(batch, prompt_len)  # communicators of the prompt and of one token per sequence
   model.prepare(batch, 1)
   graphdef, state = nnx.split(model)
@@ -185,6 +192,15 @@ def decode_program(model, batch, prompt_len, max_len):
     model = nnx.merge(graphdef, state)
     logits_bsv, cache = model(ids_bs, cache=model.init_cache(batch, max_len))
     return jnp.argmax(logits_bsv[:, -1], -1).astype(jnp.int32), cache
+
+  @jax.jit
+  def prefill_loop(state, ids_bs, n):
+    """n prefills one after another: each prompt depends on the last one's tokens (never -1,
+    so the values stay the same) and no prefill is loop-invariant."""
+    def body(_, ids_bs):
+      token_b, _ = prefill(state, ids_bs)
+      return jnp.where(token_b[:, None] == -1, 0, ids_bs)
+    return jax.lax.fori_loop(0, n, body, ids_bs)
 
   @jax.jit
   def decode(state, token_b, cache, n):
@@ -197,7 +213,7 @@ def decode_program(model, batch, prompt_len, max_len):
 
     return jax.lax.fori_loop(0, n, step, (token_b, cache))
 
-  return state, prefill, decode
+  return state, prefill, prefill_loop, decode
 
 
 def time_model(name, mesh, backend, args, batch, copy) -> dict:
@@ -206,13 +222,23 @@ def time_model(name, mesh, backend, args, batch, copy) -> dict:
   ids = _prompt(model, batch, args.prompt_len, args.seed)
   # the prompt is prefilled at max_len = prompt + steps so one cache shape serves every n
   max_len = args.prompt_len + args.steps + 1
-  state, prefill, decode = decode_program(model, batch, args.prompt_len, max_len)
+  state, prefill, prefill_loop, decode = decode_program(model, batch, args.prompt_len, max_len)
   token_b, cache = jax.block_until_ready(prefill(state, ids))
-  prefill_s = []
+  prefill_wall_us = []
   for _ in range(args.reps):
     start = time.perf_counter()
     jax.block_until_ready(prefill(state, ids))
-    prefill_s.append((time.perf_counter() - start) * 1e6)
+    prefill_wall_us.append((time.perf_counter() - start) * 1e6)
+  jax.block_until_ready(prefill_loop(state, ids, 1))  # compile
+  prefill_time, _ = time_per_iteration(lambda n: prefill_loop(state, ids, n), 1,
+                                       args.prefill_calls, args.reps, args.budget_s)
+  work = flops.prefill_flops(model, batch, args.prompt_len)
+  per_device = work["total"] / mesh.devices.size
+  peak = flops.bf16_peak_flops(mesh.devices.flat[0].device_kind)
+  prefill = {"time": prefill_time, "wall": summarize(prefill_wall_us), "flops": work,
+             "tflops_per_device": per_device / (prefill_time["median_us"] * 1e6),
+             "fraction_of_bf16_peak": (None if peak is None else
+                                       per_device / (prefill_time["median_us"] * 1e-6) / peak)}
   jax.block_until_ready(decode(state, token_b, cache, 1))  # compile
   timing, _ = time_per_iteration(lambda n: decode(state, token_b, cache, n), args.short_steps,
                                  args.steps, args.reps, args.budget_s)
@@ -228,7 +254,7 @@ def time_model(name, mesh, backend, args, batch, copy) -> dict:
   model.pool.close()
   return {"label": f"{name} b{batch} {backend}", "model": name, "backend": backend,
           "batch": batch, "status": "ok", "family": "jax_moe", "time": timing,
-          "prefill": summarize(prefill_s), "floor": floor,
+          "prefill": prefill, "floor": floor,
           "decode_tokens_per_s": batch / (timing["median_us"] * 1e-6),
           "layout": model.layout()}
 
@@ -274,18 +300,20 @@ def plot(payload: dict, path: Path) -> bool:
 
 def _table(results) -> str:
   header = (f"{'model batch backend':34} {'status':8} {'step us':>9} {'p10-p90':>15} "
-            f"{'tok/s':>9} {'prefill ms':>10} {'x floor':>8}")
+            f"{'tok/s':>9} {'x floor':>8} {'prefill ms':>10} {'TFLOP/s':>8} {'of peak':>7}")
   lines = [header, "-" * len(header)]
   for r in results:
     if r["status"] != "ok":
       lines.append(f"{r['label'][:34]:34} {r['status']:8} {r.get('reason', '')[:120]}")
       continue
-    t = r["time"]
+    t, pre = r["time"], r["prefill"]
     over = r["floor"].get("step_over_floor")
+    peak = pre["fraction_of_bf16_peak"]
     lines.append(f"{r['label'][:34]:34} {'ok':8} {t['median_us']:9.1f} "
                  f"{t['p10_us']:7.1f}-{t['p90_us']:<7.1f} {r['decode_tokens_per_s']:9.0f} "
-                 f"{r['prefill']['median_us'] / 1e3:10.2f} "
-                 f"{'-' if over is None else f'{over:.2f}':>8}")
+                 f"{'-' if over is None else f'{over:.2f}':>8} "
+                 f"{pre['time']['median_us'] / 1e3:10.2f} {pre['tflops_per_device']:8.2f} "
+                 f"{'-' if peak is None else f'{peak:.0%}':>7}")
   return "\n".join(lines)
 
 

@@ -54,7 +54,12 @@ def test_bench_decode_checks_backends_and_writes_results(tmp_path):
     floor = result["floor"]  # weights and cache one rank reads per step, over the copy rate
     assert floor["weight_bytes"] > 0 and floor["cache_bytes"] > 0
     assert floor["hbm_floor_us"] > 0 and floor["step_over_floor"] > 0
+    prefill = result["prefill"]  # device-timed, with the model FLOPs of 8 prompts of 4
+    assert prefill["time"]["median_us"] > 0 and prefill["wall"]["median_us"] > 0
+    assert prefill["flops"]["total"] > prefill["flops"]["routed_experts"] > 0
+    assert prefill["tflops_per_device"] > 0 and prefill["fraction_of_bf16_peak"] is None
   assert payload["copy_bandwidth"]["tb_per_s"] > 0
+  assert payload["grouped_gemm"]["implementation"] == "auto"
 
 
 def test_bench_decode_realistic_shapes_are_the_served_models(monkeypatch):
