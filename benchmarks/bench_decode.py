@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jax_moe as jm  # noqa: E402
-from benchmarks import flops, report  # noqa: E402
+from benchmarks import flops, report, stage_profile  # noqa: E402
 from benchmarks.arguments import csv_list  # noqa: E402
 from benchmarks.environment import device_slug, ep_mesh, provenance  # noqa: E402
 from benchmarks.timing import summarize, time_per_iteration  # noqa: E402
@@ -107,6 +107,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--short-steps", type=int, default=4, help="decode steps of the short loop")
   p.add_argument("--prefill-calls", type=int, default=4,
                  help="prefills of the long timed loop (the short loop runs one)")
+  p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True,
+                 help="profile a few decode steps: kernel time per stage (attention, router, "
+                      "dispatch, experts, combine, ...) into the JSON and a stacked-bar PNG")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--budget-s", type=float, default=30.0,
                  help="shorten the long loop to about this many seconds")
@@ -250,11 +253,17 @@ def time_model(name, mesh, backend, args, batch, copy) -> dict:
     floor["hbm_floor_us"] = (floor["weight_bytes"] + floor["cache_bytes"]) / (
         copy["tb_per_s"] * 1e6)
     floor["step_over_floor"] = timing["median_us"] / floor["hbm_floor_us"]
+  stages = None
+  if args.stages:  # kernel time per stage of a few steps, from a profiler trace
+    n = min(args.steps, 8)
+    compiled = decode.lower(state, token_b, cache, n).compile()
+    stages = stage_profile.profile_stages(lambda: decode(state, token_b, cache, n), compiled, n)
+    stages["gaps_us"] = timing["median_us"] - stages["total_us"]  # the step not in a kernel
   model.pool.check()
   model.pool.close()
   return {"label": f"{name} b{batch} {backend}", "model": name, "backend": backend,
           "batch": batch, "status": "ok", "family": "jax_moe", "time": timing,
-          "prefill": prefill, "floor": floor,
+          "prefill": prefill, "floor": floor, "stages": stages,
           "decode_tokens_per_s": batch / (timing["median_us"] * 1e-6),
           "layout": model.layout()}
 
@@ -293,6 +302,37 @@ def plot(payload: dict, path: Path) -> bool:
             f"{r['decode_tokens_per_s']:.0f} tok/s", va="center", fontsize=7)
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def plot_stages(payload: dict, path: Path) -> bool:
+  """Stacked bars of each result's decode step: kernel time per stage, then the gaps."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = [r for r in payload["results"] if r["status"] == "ok" and r.get("stages")]
+  if not rows:
+    return False
+  names = [*rows[0]["stages"]["stages_us"], "gaps"]
+  fig, ax = plt.subplots(figsize=(9, 0.4 * len(rows) + 2.4))
+  left = np.zeros(len(rows))
+  for i, name in enumerate(names):
+    widths = np.array([max(r["stages"]["gaps_us"], 0.0) if name == "gaps" else
+                       r["stages"]["stages_us"][name] for r in rows])
+    ax.barh(range(len(rows)), widths, left=left, label=name,
+            color="lightgrey" if name == "gaps" else plt.cm.tab10(i))
+    left += widths
+  ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=8)
+  ax.invert_yaxis()
+  ax.set_xlabel("microseconds per decode step (kernel time by stage; gaps = step - kernels)")
+  env = payload["environment"]
+  ax.set_title(f"decode step by stage: {env['device_count']} x {env['device_kind']}, "
+               f"commit {str(env['git_commit'])[:10]}", fontsize=9)
+  ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+  fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return True
@@ -369,7 +409,10 @@ def main(argv=None) -> int:
   stem = args.out / f"decode_{device_slug(mesh)}"
   report.write_json(stem.with_suffix(".json"), payload)
   plotted = plot(payload, stem.with_suffix(".png"))
-  print(f"wrote {stem}.json" + (" and .png" if plotted else ""))
+  stages_png = stem.with_name(stem.name + "_stages.png")
+  staged = plot_stages(payload, stages_png)
+  print(f"wrote {stem}.json" + (" and .png" if plotted else "") +
+        (f", {stages_png.name}" if staged else ""))
   print(_table(results))
   failed = [r for r in results if r["status"] == "failed"]
   return 1 if failed else 0

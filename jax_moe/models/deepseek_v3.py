@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_moe.models import layers
+from jax_moe.models import layers, stages
 from jax_moe.models.base import Cache, CausalLM
 from jax_moe.models.checkpoint import (CheckpointError, Tensor, dense_mlp_sources, linear,
                                        routed_expert_sources)
@@ -158,9 +158,13 @@ class DeepseekV3MoE(nnx.Module):
                            if cfg.n_shared_experts else None)
 
   def __call__(self, x_bsd):
-    ids_tk, weights_tk = self.gate(x_bsd.reshape(-1, x_bsd.shape[-1]))
+    with jax.named_scope(stages.ROUTER):
+      ids_tk, weights_tk = self.gate(x_bsd.reshape(-1, x_bsd.shape[-1]))
     y_bsd = self.experts(x_bsd, ids_tk, weights_tk)
-    return y_bsd if self.shared_experts is None else y_bsd + self.shared_experts(x_bsd)
+    if self.shared_experts is None:
+      return y_bsd
+    with jax.named_scope(stages.SHARED_EXPERTS):
+      return y_bsd + self.shared_experts(x_bsd)
 
 
 class DecoderLayer(nnx.Module):
@@ -178,9 +182,14 @@ class DecoderLayer(nnx.Module):
                                  pool=pool, dtype=dtype)
 
   def __call__(self, x_bsd, positions_bs, cache=None, index=None):
-    h_bsd, cache = self.self_attn(self.input_layernorm(x_bsd), positions_bs, cache, index)
+    h_in = self.input_layernorm(x_bsd)
+    with jax.named_scope(stages.ATTENTION):
+      h_bsd, cache = self.self_attn(h_in, positions_bs, cache, index)
     x_bsd = x_bsd + h_bsd
-    return x_bsd + self.mlp(self.post_attention_layernorm(x_bsd)), cache
+    h_in = self.post_attention_layernorm(x_bsd)
+    with stages.mlp_scope(self.is_moe):
+      h_bsd = self.mlp(h_in)
+    return x_bsd + h_bsd, cache
 
 
 class DeepseekV3ForCausalLM(CausalLM):

@@ -58,6 +58,7 @@ from jax.sharding import PartitionSpec as P
 import jax_moe as jm
 from jax_moe import grouped_gemm
 from jax_moe.grouped_gemm import BlockFp8Weights
+from jax_moe.models import stages
 from jax_moe.models.sharding import ShardingRules, fp8_param, param
 from jax_moe.sharding import shard_map
 
@@ -269,10 +270,14 @@ class RoutedExperts(nnx.Module):
     return dot(h, w_down)
 
   def _wire_shard(self, comm, T, Tp, x_td, ids_tk, weights_tk, w_gate, w_up, w_down):
-    r = comm.dispatch(x_td.astype(jnp.bfloat16), ids_tk, weights_tk, self._real_tokens(T, Tp))
-    rows = (jm.dequantize_fp8(r.x, r.scales, jnp.bfloat16) if comm.cfg.is_fp8 else r.x)
-    y = self._experts(rows.astype(self.dtype), r.group_sizes, w_gate, w_up, w_down, None)
-    out = comm.combine(y.astype(jnp.bfloat16), r.handle)
+    with jax.named_scope(stages.DISPATCH):
+      r = comm.dispatch(x_td.astype(jnp.bfloat16), ids_tk, weights_tk,
+                        self._real_tokens(T, Tp))
+      rows = (jm.dequantize_fp8(r.x, r.scales, jnp.bfloat16) if comm.cfg.is_fp8 else r.x)
+    with jax.named_scope(stages.EXPERTS):
+      y = self._experts(rows.astype(self.dtype), r.group_sizes, w_gate, w_up, w_down, None)
+    with jax.named_scope(stages.COMBINE):
+      out = comm.combine(y.astype(jnp.bfloat16), r.handle)
     return out.astype(x_td.dtype)
 
   def _exact_shard(self, comm, T, Tp, x_td, ids_tk, weights_tk, w_gate, w_up, w_down):
@@ -281,13 +286,16 @@ class RoutedExperts(nnx.Module):
     x_parts = jnp.repeat(split_f32(x_td), K, axis=0)                    # [Tp*K, 3D]
     ids = ids_tk.reshape(Tp * K, 1)
     ones = jnp.where(ids >= 0, 1.0, 0.0).astype(jnp.float32)
-    r = comm.dispatch(x_parts, ids, ones, self._real_tokens(T, Tp) * K)
-    rows = join_f32(r.x)
+    with jax.named_scope(stages.DISPATCH):
+      r = comm.dispatch(x_parts, ids, ones, self._real_tokens(T, Tp) * K)
+      rows = join_f32(r.x)
     # fp8 weights are dequantized in f32 by the GEMM (x's dtype), exactly as stored
     f32 = lambda w: w if isinstance(w, BlockFp8Weights) else w.astype(jnp.float32)
-    y = self._experts(rows, r.group_sizes, f32(w_gate), f32(w_up), f32(w_down),
-                      jax.lax.Precision.HIGHEST)
-    y_parts = comm.combine(split_f32(y), r.handle)                      # [Tp*K, 3D], exact
+    with jax.named_scope(stages.EXPERTS):
+      y = self._experts(rows, r.group_sizes, f32(w_gate), f32(w_up), f32(w_down),
+                        jax.lax.Precision.HIGHEST)
+    with jax.named_scope(stages.COMBINE):
+      y_parts = comm.combine(split_f32(y), r.handle)                    # [Tp*K, 3D], exact
     y_tkd = join_f32(y_parts).reshape(Tp, K, self.dim)
     out = jnp.zeros((Tp, self.dim), jnp.float32)
     for k in range(K):  # fixed k order, f32

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jax_moe.models import layers
+from jax_moe.models import layers, stages
 from jax_moe.models.attention import gqa_attention, update_kv
 from jax_moe.models.base import Cache, CausalLM
 from jax_moe.models.checkpoint import (CheckpointError, Tensor, dense_mlp_sources, linear,
@@ -169,13 +169,14 @@ class SparseMoe(nnx.Module):
                                  pool=pool, dtype=dtype, wire=wire, fp8_block=fp8_block)
 
   def __call__(self, x_bsd):
-    logits = self.router(x_bsd)
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, ids = self.rules.rowwise(lambda p: jax.lax.top_k(p, self.top_k), probs)
-    if self.norm_topk_prob:
-      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    # transformers casts the routing weights to the activation dtype before using them
-    weights = weights.astype(x_bsd.dtype).astype(jnp.float32)
+    with jax.named_scope(stages.ROUTER):
+      logits = self.router(x_bsd)
+      probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+      weights, ids = self.rules.rowwise(lambda p: jax.lax.top_k(p, self.top_k), probs)
+      if self.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+      # transformers casts the routing weights to the activation dtype before using them
+      weights = weights.astype(x_bsd.dtype).astype(jnp.float32)
     return self.experts(x_bsd, ids.astype(jnp.int32), weights)
 
 
@@ -194,9 +195,14 @@ class DecoderLayer(nnx.Module):
                                  pool=pool, dtype=dtype)
 
   def __call__(self, x_bsd, cos, sin, positions_bs, kv_cache=None, index=None):
-    h, kv_cache = self.attn(self.input_norm(x_bsd), cos, sin, positions_bs, kv_cache, index)
+    h_in = self.input_norm(x_bsd)
+    with jax.named_scope(stages.ATTENTION):
+      h, kv_cache = self.attn(h_in, cos, sin, positions_bs, kv_cache, index)
     x_bsd = x_bsd + h
-    return x_bsd + self.mlp(self.post_attn_norm(x_bsd)), kv_cache
+    h_in = self.post_attn_norm(x_bsd)
+    with stages.mlp_scope(self.is_moe):
+      h = self.mlp(h_in)
+    return x_bsd + h, kv_cache
 
 
 class Qwen3MoeForCausalLM(CausalLM):

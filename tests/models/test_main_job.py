@@ -45,6 +45,7 @@ def test_bench_decode_checks_backends_and_writes_results(tmp_path):
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
   payload = json.loads((tmp_path / "decode_cpu-x8.json").read_text())
   assert (tmp_path / "decode_cpu-x8.png").stat().st_size > 0
+  assert (tmp_path / "decode_cpu-x8_stages.png").stat().st_size > 0
   assert payload["parity"]["tiny-qwen3-moe"]["ok"]
   results = payload["results"]  # one per available backend: xla, and host when built
   assert "xla" in {result["backend"] for result in results}
@@ -58,6 +59,10 @@ def test_bench_decode_checks_backends_and_writes_results(tmp_path):
     assert prefill["time"]["median_us"] > 0 and prefill["wall"]["median_us"] > 0
     assert prefill["flops"]["total"] > prefill["flops"]["routed_experts"] > 0
     assert prefill["tflops_per_device"] > 0 and prefill["fraction_of_bf16_peak"] is None
+    per_stage = result["stages"]["stages_us"]  # the profiled steps, charged by named scope
+    for stage in ("attention", "router", "dispatch", "experts", "combine", "dense_mlp"):
+      assert per_stage[stage] > 0, (stage, per_stage)
+    assert per_stage["shared_experts"] == 0  # Qwen3-MoE has none
   assert payload["copy_bandwidth"]["tb_per_s"] > 0
   assert payload["grouped_gemm"]["implementation"] == "auto"
 

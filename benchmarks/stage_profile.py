@@ -1,0 +1,106 @@
+"""Device time per stage of a compiled program, from a JAX profiler trace.
+
+The models run each stage of a decoder layer under a named scope (jax_moe/models/stages.py),
+so the op_name metadata of every HLO instruction names its stage. A trace's device events
+(GPU kernels on the stream lines; XLA:CPU thunks on a CPU mesh) carry the instruction they
+ran as their `hlo_op` stat: each event's time goes to its instruction's stage. A fusion goes
+to the stage of its root (its metadata) or, when the root has none (a residual add that
+absorbed a stage's last ops), to the stage most of its fused ops carry; control-flow thunks
+(while, conditional, call) are left out, their bodies' events are counted instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import re
+import tempfile
+
+import jax
+
+from jax_moe.models import stages
+
+# "%name = <type> opcode(... metadata={op_name="..." ...}": the name, opcode and op_name;
+# a computation's header line "[ENTRY ]%name (params) -> type {".
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*? ([a-z][a-z0-9\-]*)\(')
+_COMPUTATION = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+) .*\{\s*$')
+_OP_NAME = re.compile(r'metadata=\{[^}]*op_name="([^"]*)"')
+_CALLS = re.compile(r'calls=%?([\w.\-]+)')
+_CONTROL_FLOW = {"while", "conditional", "call"}
+
+
+def instruction_stages(hlo_text: str) -> dict[str, str | None]:
+  """{instruction name: its stage} over every computation of a compiled module's text; None
+  for control flow (its time is its body's)."""
+  out, fusions = {}, {}
+  inside = collections.defaultdict(collections.Counter)  # computation -> stages of its ops
+  computation = None
+  for line in hlo_text.splitlines():
+    match = _INSTRUCTION.match(line)
+    if not match:
+      header = _COMPUTATION.match(line)
+      if header:
+        computation = header.group(1)
+      continue
+    name, opcode = match.groups()
+    if opcode in _CONTROL_FLOW:
+      out[name] = None
+      continue
+    op_name = _OP_NAME.search(line)
+    out[name] = stages.stage_of(op_name.group(1)) if op_name else stages.OTHER
+    if out[name] != stages.OTHER:
+      inside[computation][out[name]] += 1
+    calls = _CALLS.search(line)
+    if opcode == "fusion" and calls:
+      fusions[name] = calls.group(1)
+  for name, fused in fusions.items():
+    if out[name] == stages.OTHER and inside[fused]:
+      out[name] = inside[fused].most_common(1)[0][0]
+  return out
+
+
+def _device_events(data, module: str):
+  """[(device, instruction, duration ns)] of the events of `module`: GPU stream lines when
+  the trace has GPU planes (a device per plane), else the CPU thunks (events with an hlo_op
+  stat; their device_ordinal stat tells the devices apart)."""
+  gpu = [p for p in data.planes if p.name.startswith("/device:GPU:")]
+  events = []
+  for plane in gpu or [p for p in data.planes if p.name == "/host:CPU"]:
+    for line in plane.lines:
+      if gpu and "stream" not in line.name.lower():
+        continue
+      for ev in line.events:
+        stats = dict(ev.stats)
+        op = stats.get("hlo_op")
+        if op is None or stats.get("hlo_module", module) != module:
+          continue
+        events.append(((plane.name, stats.get("device_ordinal")), op, ev.duration_ns))
+  return events
+
+
+def profile_stages(run, compiled, steps: int) -> dict:
+  """Traces `run()` (which must run `compiled`, `steps` steps) and returns the device time
+  per step by stage, averaged over the devices: {"stages_us": {stage: us}, "total_us",
+  "unmatched_us" (events whose instruction the module's text does not name), "devices"}."""
+  text = compiled.as_text()
+  module = re.search(r"^HloModule ([\w.\-]+)", text, re.M).group(1)
+  by_name = instruction_stages(text)
+  jax.block_until_ready(run())  # nothing left over from earlier work in the trace
+  folder = tempfile.mkdtemp(prefix="jax_moe_stages_")
+  with jax.profiler.trace(folder):
+    jax.block_until_ready(run())
+  (path,) = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+  events = _device_events(jax.profiler.ProfileData.from_file(path), module)
+  devices = max(1, len({device for device, _, _ in events}))
+  totals = collections.Counter()
+  unmatched = 0.0
+  for _, op, ns in events:
+    stage = by_name.get(op, stages.OTHER)
+    if op not in by_name:
+      unmatched += ns
+    if stage is not None:
+      totals[stage] += ns
+  scale = 1e-3 / (steps * devices)
+  per_stage = {s: totals.get(s, 0) * scale for s in (*stages.STAGES, stages.OTHER)}
+  return {"stages_us": per_stage, "total_us": sum(per_stage.values()),
+          "unmatched_us": unmatched * scale, "devices": devices, "module": module}

@@ -1,0 +1,73 @@
+"""benchmarks/stage_profile.py and jax_moe/models/stages.py: named scopes reach the compiled
+program's op_name metadata, and a CPU trace's thunks are charged to their stages."""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `benchmarks` is a folder of the checkout, not an installed package
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import stage_profile  # noqa: E402
+from jax_moe.models import stages  # noqa: E402
+
+
+def test_stage_of_takes_the_innermost_stage():
+    assert stages.stage_of("jit(decode)/while/body/attention/dot_general") == "attention"
+    assert stages.stage_of("jit(f)/shared_experts/dense_mlp/mul") == "dense_mlp"
+    assert stages.stage_of("jit(f)/experts_like/add") == "other"  # whole components only
+    assert stages.stage_of("") == "other"
+
+
+FUSED = """
+%fc (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  %exp.1 = f32[4]{0} exponential(%param_0), metadata={op_name="jit(f)/dense_mlp/exp"}
+  ROOT %add.1 = f32[4]{0} add(%exp.1, %param_0), metadata={op_name="jit(f)/add"}
+}
+
+ENTRY %main.2 (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  ROOT %loop_add_fusion = f32[4]{0} fusion(%x), calls=%fc, metadata={op_name="jit(f)/add"}
+}
+"""
+
+
+def test_a_fusion_rooted_outside_every_stage_takes_its_fused_ops_stage():
+    names = stage_profile.instruction_stages(FUSED)
+    assert names["loop_add_fusion"] == "dense_mlp" and names["add.1"] == "other"
+
+
+def _program():
+    @jax.jit
+    def f(x, n):
+        def body(_, x):
+            with jax.named_scope(stages.ATTENTION):
+                x = jnp.tanh(x @ x)
+            with jax.named_scope(stages.EXPERTS):
+                x = jnp.sin(x @ x.T)
+            return x
+        return jax.lax.fori_loop(0, n, body, x)
+    return f, jnp.asarray(np.random.default_rng(0).standard_normal((256, 256)), jnp.float32)
+
+
+def test_instructions_carry_their_stage_and_control_flow_is_marked():
+    f, x = _program()
+    names = stage_profile.instruction_stages(f.lower(x, 2).compile().as_text())
+    assert {"attention", "experts"} <= set(names.values())
+    assert None in names.values()  # the while loop: its body's thunks count, not it
+
+
+def test_a_cpu_trace_is_charged_to_the_scoped_stages():
+    f, x = _program()
+    compiled = f.lower(x, 3).compile()
+    got = stage_profile.profile_stages(lambda: f(x, 3), compiled, steps=3)
+    per_stage = got["stages_us"]
+    assert per_stage["attention"] > 0 and per_stage["experts"] > 0
+    assert per_stage["router"] == per_stage["combine"] == 0
+    assert got["unmatched_us"] == 0 and got["devices"] == 1
+    assert abs(got["total_us"] - sum(per_stage.values())) < 1e-6
