@@ -1,6 +1,6 @@
 """Device time per stage of a compiled program, from a JAX profiler trace.
 
-The models run each stage of a decoder layer under a named scope (jax_moe/models/stages.py),
+The models run each stage of a decoder layer under a named scope (models/stages.py),
 so the op_name metadata of every HLO instruction names its stage. A trace's device events
 (GPU kernels on the stream lines; XLA:CPU thunks on a CPU mesh) carry the instruction they
 ran as their `hlo_op` stat: each event's time goes to its instruction's stage. A fusion goes

@@ -1,4 +1,4 @@
-"""benchmarks/stage_profile.py and jax_moe/models/stages.py: named scopes reach the compiled
+"""benchmarks/stage_profile.py and models/stages.py: named scopes reach the compiled
 program's op_name metadata, and a CPU trace's thunks are charged to their stages."""
 
 import sys
