@@ -18,6 +18,11 @@
 #   ep1_cmdbuf  the ep1 decode benchmark (expert mode, bf16 partials) with XLA command buffers
 #            forced on for fusions and custom calls: the launch gaps between a step's kernels
 #            are most of a decode step (docs/perf-notes.md); file suffix -cmdbuf
+#   models_mp  tests/gpu/test_models_multiprocess.py: jax-moe generate with the cuda backend on 2
+#            processes sharing GPU 0 (CUDA IPC, forced through the host proxies, --tp 2) gives
+#            one process's tokens; tokens/s per path in the log (issues 15 and 19)
+#   misuse   tests/test_misuse.py on the GPU (cuda cases), then a 60 s soak of cuda against xla
+#            (benchmarks/soak.py, RSS reported; issue 14)
 #   allreduce  tests/gpu/test_all_reduce_gpu.py (1 and 2 GPUs in one process; the loop tests again
 #            with command buffers forced on for custom calls) and the 2-process job
 #   arbench  bench_all_reduce.py, bf16, 4 KiB..64 MiB, every method; GIT_COMMIT names the code
@@ -111,6 +116,12 @@ for step in "${steps[@]}"; do
         > "$logs/bench_ep1_cmdbuf.log" 2>&1
       echo "bench ep1 cmdbuf: rc=$?"
       tail -14 "$logs/bench_ep1_cmdbuf.log" ;;
+    models_mp) suite models_multiprocess 420 -s -rs tests/gpu/test_models_multiprocess.py ;;
+    misuse)
+      suite misuse_gpu 120 tests/test_misuse.py
+      timeout -s KILL 120 python3 benchmarks/soak.py --backends cuda,xla --seconds 60 \
+        --json "$logs/soak_cuda_xla.json" > "$logs/soak.log" 2>&1
+      echo "soak cuda,xla: rc=$?"; tail -4 "$logs/soak.log" ;;
     allreduce)
       suite all_reduce_gpu 240 -rs tests/gpu/test_all_reduce_gpu.py
       XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
