@@ -12,7 +12,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from meshes import make_mesh  # noqa: E402
+from support.meshes import make_mesh  # noqa: E402
 
 
 def pytest_configure(config):

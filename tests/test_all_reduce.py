@@ -16,12 +16,12 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_moe as jm
-from all_reduce_checks import (DTYPES, all_reduce_reference, assert_close_to_psum,
+from support.all_reduce_checks import (DTYPES, all_reduce_reference, assert_close_to_psum,
                                one_ulp, random_inputs)
 from jax_moe import all_reduce as ar_module
 from jax_moe import native
 from jax_moe.sharding import shard_map
-from meshes import make_mesh
+from support.meshes import make_mesh
 
 NVLS_SWITCHES = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
                  "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}

@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `benchmarks` is a folder of the checkout, not an installed package
-    sys.path.insert(0, str(REPO))
 
 from benchmarks import raw_exchange, remote_traffic  # noqa: E402
 from jax_moe.backends import host_remote  # noqa: E402

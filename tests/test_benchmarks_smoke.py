@@ -19,8 +19,6 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `benchmarks` is a folder of the checkout, not an installed package
-    sys.path.insert(0, str(REPO))
 
 from benchmarks import methods, peers, reference  # noqa: E402
 from jax_moe.sharding import shard_map  # noqa: E402

@@ -26,12 +26,10 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "models"))  # hf_tiny, test_generation's tie rule
 
 from gpu.test_multiprocess import SHM, TCP, free_loopback_port, wait_all  # noqa: E402
-from hf_tiny import hf_greedy, qwen3_moe_kwargs, save_tiny  # noqa: E402
-from test_deepseek_v3 import tiny_config as deepseek_tiny_config  # noqa: E402
-from test_generation import _first_near_tie  # noqa: E402
+from support.hf_tiny import (deepseek_v3_config, first_near_tie, hf_greedy,  # noqa: E402
+                             qwen3_moe_kwargs, save_tiny)
 
 from jax_moe.backends import host_remote  # noqa: E402
 from jax_moe.models import tokenizer  # noqa: E402
@@ -133,7 +131,7 @@ def model_checkpoint(request, checkpoint, tmp_path_factory):
   shared expert and a dense first layer; 8 routed experts, one per device)."""
   if request.param == "qwen3":
     return checkpoint
-  return _save_checkpoint(deepseek_tiny_config(vocab_size=512),
+  return _save_checkpoint(deepseek_v3_config(vocab_size=512),
                           tmp_path_factory.mktemp("deepseek_v3"))
 
 
@@ -164,7 +162,7 @@ def test_one_process_gives_transformers_tokens(model_checkpoint, one_process):
   compared = total = 0
   for prompt, tokens in zip(got["prompt_tokens"], got["tokens"]):
     ref_tokens, ref_logits = hf_greedy(hf_model, np.array([prompt]), NEW_TOKENS)
-    steps = int(_first_near_tie(ref_logits, 1e-4 * np.abs(ref_logits).max())[0])
+    steps = int(first_near_tie(ref_logits, 1e-4 * np.abs(ref_logits).max())[0])
     assert tokens[:steps] == ref_tokens[0, len(prompt):len(prompt) + steps].tolist(), prompt
     assert len(tokens) == NEW_TOKENS
     compared, total = compared + steps, total + NEW_TOKENS

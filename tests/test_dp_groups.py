@@ -14,7 +14,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_moe as jm
 from jax_moe.sharding import shard_map
-from moe_runner import dequantize_rows, local_expert_of_rows
+from support.moe_runner import dequantize_rows, local_expert_of_rows
 
 H, E, K = 128, 16, 4
 

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_moe import grouped_gemm as gg
 from jax_moe.sharding import shard_map
-from meshes import make_mesh
+from support.meshes import make_mesh
 
 # (M, group sizes): uneven, empty groups (first, middle, last), sum < M, sum > M, all empty.
 CASES = {

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import jax_moe as jm
 from jax_moe.errors import ErrorCode, Stage
 from jax_moe.sharding import shard_map
-from meshes import make_mesh
+from support.meshes import make_mesh
 
 pytestmark = pytest.mark.skipif("host" not in jm.available_backends("cpu"),
                                 reason="jax_moe._native is not built (no host backend)")
@@ -132,8 +132,8 @@ def test_row_loops_on_several_threads_give_the_same_bits(monkeypatch, rng, setup
     """JAX_MOE_HOST_THREADS splits each rank's row loops (ffi/host/parallel.h; the cuda host
     proxies run them on JAX_MOE_PROXY_THREADS): same bits as one thread, sizes large enough
     that every loop is split."""
-    from moe_runner import Runner, Setup, make_inputs
-    from routing_cases import routing
+    from support.moe_runner import Runner, Setup, make_inputs
+    from support.routing_cases import routing
 
     setup = Setup("host", 2, num_experts=8, experts_per_token=4, max_tokens=192, **setup_args)
     runs = {}

@@ -17,8 +17,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_moe as jm
 from jax_moe.sharding import shard_map
-from meshes import make_mesh
-from moe_runner import local_expert_of_rows
+from support.meshes import make_mesh
+from support.moe_runner import local_expert_of_rows
 
 AXIS = "ep"
 R, T, H, E, K = 4, 8, 128, 8, 2

@@ -1,7 +1,6 @@
 """benchmarks/flops.py: the prefill FLOPs of the tiny models, counted again by hand from
 their config.json values (every projection written out per model family)."""
 
-import sys
 from pathlib import Path
 
 import jax
@@ -9,8 +8,6 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `benchmarks` is a folder of the checkout, not an installed package
-    sys.path.insert(0, str(REPO))
 
 from benchmarks import flops  # noqa: E402
 from jax_moe import models  # noqa: E402

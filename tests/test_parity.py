@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import jax_moe as jm
-import reference as ref
-from checks import assert_bitwise_equal, assert_dispatch_matches, check_combine
-from meshes import make_mesh
-from moe_runner import Setup, describe, make_inputs, runner
-from routing_cases import SCENARIOS, routing
+from support import reference as ref
+from support.checks import assert_bitwise_equal, assert_dispatch_matches, check_combine
+from support.meshes import make_mesh
+from support.moe_runner import Setup, describe, make_inputs, runner
+from support.routing_cases import SCENARIOS, routing
 
 AXIS_SIZES = (1, 2, 4, 8)
 DISPATCH_KINDS = ("bf16", "fp8", "fp8-prequantized")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import jax_moe as jm
-import reference as ref
-from checks import assert_bitwise_equal
+from support import reference as ref
+from support.checks import assert_bitwise_equal
 
 
 @jax.jit

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import reference as ref
-from checks import assert_combine_within
-from moe_runner import AXIS, Setup, dequantize_rows, describe, make_inputs, runner
+from support import reference as ref
+from support.checks import assert_combine_within
+from support.moe_runner import AXIS, Setup, dequantize_rows, describe, make_inputs, runner
 from jax_moe.sharding import shard_map
-from routing_cases import routing
+from support.routing_cases import routing
 
 
 @functools.lru_cache(maxsize=None)

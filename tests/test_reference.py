@@ -12,7 +12,7 @@ capacity = 2 * 3 * min(2, 2) + 2 * (2 - 1) = 14.
 import numpy as np
 import pytest
 
-import reference as ref
+from support import reference as ref
 
 GEOMETRY = ref.Geometry(num_experts=4, axis_size=2, max_tokens=3, experts_per_token=2, hidden=8,
                         expert_padding=2)

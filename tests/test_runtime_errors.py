@@ -14,12 +14,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_moe as jm
-import reference as ref
-from checks import assert_dispatch_matches, check_combine
-from meshes import make_mesh
-from moe_runner import AXIS, Setup, make_inputs, runner
+from support import reference as ref
+from support.checks import assert_dispatch_matches, check_combine
+from support.meshes import make_mesh
+from support.moe_runner import AXIS, Setup, make_inputs, runner
 from jax_moe.sharding import shard_map
-from routing_cases import routing
+from support.routing_cases import routing
 
 DISPATCH_SEND, DISPATCH_RECV, COMBINE_SEND = 1, 2, 3
 

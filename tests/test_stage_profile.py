@@ -1,7 +1,6 @@
 """benchmarks/stage_profile.py and models/stages.py: named scopes reach the compiled
 program's op_name metadata, and a CPU trace's thunks are charged to their stages."""
 
-import sys
 from pathlib import Path
 
 import jax
@@ -9,8 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `benchmarks` is a folder of the checkout, not an installed package
-    sys.path.insert(0, str(REPO))
 
 from benchmarks import stage_profile  # noqa: E402
 from jax_moe.models import stages  # noqa: E402

@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_moe as jm
-from meshes import make_mesh
-from moe_runner import AXIS
+from support.meshes import make_mesh
+from support.moe_runner import AXIS
 from jax_moe.sharding import shard_map
 
 BASE = dict(num_experts=16, experts_per_token=4, hidden=256, max_tokens=16)

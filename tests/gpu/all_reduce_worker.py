@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_moe as jm  # noqa: E402
-from all_reduce_checks import (DTYPES, all_reduce_reference, assert_all_reduce_exact,  # noqa: E402
+from support.all_reduce_checks import (DTYPES, all_reduce_reference, assert_all_reduce_exact,  # noqa: E402
                                assert_close_to_psum, random_inputs)
 from jax_moe.sharding import shard_map  # noqa: E402
 from mp_worker import Barrier, run_worker  # noqa: E402

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # reference, checks, moe_runner
 
-from routing_cases import SCENARIOS, routing  # noqa: E402  (numpy only: jax is not imported yet)
+from support.routing_cases import SCENARIOS, routing  # noqa: E402  (numpy only: jax is not imported yet)
 from worker_env import configure_environment, devices_per_process  # noqa: E402  (no jax either)
 
 INIT_TIMEOUT_S = 60
@@ -97,10 +97,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_moe as jm  # noqa: E402
-import reference as ref  # noqa: E402
-from checks import (_scaled_y, assert_bitwise_equal, assert_combine_within,  # noqa: E402
+from support import reference as ref  # noqa: E402
+from support.checks import (_scaled_y, assert_bitwise_equal, assert_combine_within,  # noqa: E402
                     assert_dispatch_matches, combine_bound)
-from moe_runner import (AXIS, DISPATCH_FIELDS, RunResult, Runner, Setup,  # noqa: E402
+from support.moe_runner import (AXIS, DISPATCH_FIELDS, RunResult, Runner, Setup,  # noqa: E402
                         make_inputs)
 from jax_moe import settings  # noqa: E402
 from jax_moe.sharding import shard_map  # noqa: E402

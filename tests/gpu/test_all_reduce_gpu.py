@@ -16,12 +16,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_moe as jm
-from all_reduce_checks import (DTYPES, all_reduce_reference, assert_all_reduce_exact,
+from support.all_reduce_checks import (DTYPES, all_reduce_reference, assert_all_reduce_exact,
                                assert_close_to_psum, random_inputs)
 from jax_moe import all_reduce as ar_module
 from jax_moe import native
 from jax_moe.sharding import shard_map
-from meshes import make_mesh
+from support.meshes import make_mesh
 
 pytestmark = pytest.mark.gpu
 

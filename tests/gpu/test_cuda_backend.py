@@ -18,13 +18,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_moe as jm
-import reference as ref
+from support import reference as ref
 from jax_moe.backends.cuda_proxy import ProxyRanks
-from checks import assert_combine_within, assert_dispatch_matches, check_combine
-from meshes import make_mesh
-from moe_runner import AXIS, Runner, Setup, dequantize_rows, describe, make_inputs, runner
+from support.checks import assert_combine_within, assert_dispatch_matches, check_combine
+from support.meshes import make_mesh
+from support.moe_runner import AXIS, Runner, Setup, dequantize_rows, describe, make_inputs, runner
 from jax_moe.sharding import shard_map
-from routing_cases import routing
+from support.routing_cases import routing
 
 pytestmark = pytest.mark.gpu
 

@@ -12,8 +12,9 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-import hf_tiny
-from meshes import make_mesh
+from support import hf_tiny
+from support.hf_tiny import YARN, deepseek_v3_config, save_deepseek_v3
+from support.meshes import make_mesh
 from jax_moe import models
 from jax_moe.grouped_gemm import BlockFp8Weights
 from jax_moe.models import deepseek_v3, loader, mla, yarn
@@ -21,24 +22,7 @@ from jax_moe.models.checkpoint import CheckpointError
 from jax_moe.models.moe import CommunicatorPool
 from jax_moe.models.sharding import ShardingRules
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-        "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 0.9, "mscale_all_dim": 0.707}
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 5000.0}
-
-
-def tiny_config(**overrides):
-  """A DeepseekV3Config small enough for CPU tests; attn 'eager' so the math is plain."""
-  kw = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-            n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-            n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=12, kv_lora_rank=16,
-            qk_rope_head_dim=8, qk_nope_head_dim=6, v_head_dim=10, max_position_embeddings=64,
-            rope_parameters=dict(YARN), num_nextn_predict_layers=0)
-  kw.update(overrides)
-  config = DeepseekV3Config(**kw)
-  config._attn_implementation = "eager"
-  return config
 
 
 def _np(t):
@@ -59,7 +43,7 @@ def _close(got, want, rel=1e-4):
                                   dict(YARN, mscale=None, mscale_all_dim=None),
                                   dict(YARN, attention_factor=1.3, beta_fast=8, truncate=False)])
 def test_rope_frequencies_and_scales_match_transformers(rope):
-  config = tiny_config(rope_parameters=dict(rope))
+  config = deepseek_v3_config(rope_parameters=dict(rope))
   rotary = hf.DeepseekV3RotaryEmbedding(config)
   ours = yarn.rope_scaling_from_config(config.to_dict())
   np.testing.assert_allclose(ours.inv_freq_f, _np(rotary.inv_freq), rtol=1e-6)
@@ -86,7 +70,7 @@ def test_rope_config_spellings_agree():
 
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_apply_rope_matches_transformers(rng, interleaved):
-  config = tiny_config(rope_interleave=interleaved)
+  config = deepseek_v3_config(rope_interleave=interleaved)
   rotary = hf.DeepseekV3RotaryEmbedding(config)
   b, t, h, r = 2, 5, 3, config.qk_rope_head_dim
   positions = rng.integers(0, 60, (b, t))
@@ -156,7 +140,7 @@ MLA_CASES = {
 
 @pytest.mark.parametrize("case", sorted(MLA_CASES))
 def test_mla_full_forward_matches_transformers(rng, case):
-  config = tiny_config(**MLA_CASES[case])
+  config = deepseek_v3_config(**MLA_CASES[case])
   ours, theirs = _random_attention(config, seed=len(case))
   b, t = 2, 7
   x = rng.normal(size=(b, t, config.hidden_size)).astype(np.float32)
@@ -172,7 +156,7 @@ def test_mla_full_forward_matches_transformers(rng, case):
 def test_mla_cached_steps_equal_full_forward(rng, case, prefill):
   """Prefill then one-token steps through the cache give transformers' full-forward outputs,
   token by token. A 3-token prefill attends absorbed, a 20-token one expanded; steps absorbed."""
-  config = tiny_config(**MLA_CASES[case])
+  config = deepseek_v3_config(**MLA_CASES[case])
   ours, theirs = _random_attention(config, seed=len(case) + 1)
   b, t, max_len = 2, prefill + 3, prefill + 5
   assert ours.uses_absorbed(prefill, max_len) == (prefill == 3)
@@ -193,7 +177,7 @@ def test_mla_cached_steps_equal_full_forward(rng, case, prefill):
 
 
 def test_mla_cache_bad_input_is_refused():
-  config = tiny_config()
+  config = deepseek_v3_config()
   ours, _ = _random_attention(config, seed=0)
   cache = mla.init_mla_cache(ours.cfg, 1, 4, jnp.float32)
   with pytest.raises(ValueError, match="cache_length is required"):
@@ -214,7 +198,7 @@ ROUTING_CASES = {
 
 @pytest.mark.parametrize("case", sorted(ROUTING_CASES))
 def test_routing_matches_transformers(rng, case):
-  config = tiny_config(n_routed_experts=16, **ROUTING_CASES[case])
+  config = deepseek_v3_config(n_routed_experts=16, **ROUTING_CASES[case])
   router = hf.DeepseekV3TopkRouter(config)
   with torch.no_grad():
     router.weight.normal_(0, 0.5)
@@ -250,7 +234,7 @@ def test_routing_bias_selects_but_does_not_weigh():
     (dict(n_group=2, topk_group=1, num_experts_per_tok=5), "num_experts_per_tok must be in"),
 ])
 def test_bad_routing_config_is_refused(overrides, message):
-  config = tiny_config().to_dict()
+  config = deepseek_v3_config().to_dict()
   config.update(overrides)
   with pytest.raises(CheckpointError, match=message):
     deepseek_v3.DeepseekV3Config.from_hf(config)
@@ -259,7 +243,7 @@ def test_bad_routing_config_is_refused(overrides, message):
 @pytest.mark.parametrize("key,value", [("scoring_func", "softmax"), ("topk_method", "greedy"),
                                        ("moe_layer_freq", 2), ("hidden_act", "gelu")])
 def test_other_moe_variants_are_refused(key, value):
-  config = dict(tiny_config().to_dict(), scoring_func="sigmoid", topk_method="noaux_tc")
+  config = dict(deepseek_v3_config().to_dict(), scoring_func="sigmoid", topk_method="noaux_tc")
   deepseek_v3.DeepseekV3Config.from_hf(config)  # DeepSeek-V3's own values are accepted
   with pytest.raises(NotImplementedError, match=f"{key}={value!r} is not supported"):
     deepseek_v3.DeepseekV3Config.from_hf(dict(config, **{key: value}))
@@ -280,18 +264,6 @@ MODEL_CASES = {
 }
 
 
-def _save_deepseek(directory, seed, **overrides):
-  """A tiny transformers DeepSeek-V3 saved as safetensors, with a random selection bias
-  (a buffer, so save_tiny's re-draw of the parameters leaves it at zero)."""
-  model, path = hf_tiny.save_tiny(tiny_config(**overrides), directory, seed=seed)
-  with torch.no_grad():
-    for layer in model.model.layers:
-      if isinstance(layer.mlp, hf.DeepseekV3MoE):
-        layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
-  model.save_pretrained(path)
-  return model, path
-
-
 def _load(path, mesh, backend, dtype=jnp.float32, **kwargs):
   return models.from_pretrained(path, mesh=mesh, backend=backend, dtype=dtype, progress=False,
                                 **kwargs)
@@ -306,7 +278,7 @@ def saved(tmp_path_factory):
 
   def get(case):
     if case not in done:
-      done[case] = _save_deepseek(tmp_path_factory.mktemp(case), seed=len(case),
+      done[case] = save_deepseek_v3(tmp_path_factory.mktemp(case), seed=len(case),
                                   **MODEL_CASES[case])
     return done[case]
   return get
@@ -487,7 +459,7 @@ def test_random_fp8_experts_equal_their_dequantized_copy(rng, ep_mesh):
   """f32 models (the exact exchange) with random weights: the fp8 model's experts are the
   dense model's draw quantized (BlockFp8Weights.quantize), and the dense model holding their
   dequantized copy gives its logits bit for bit; the unquantized draw does not."""
-  config = dict(tiny_config(n_routed_experts=16, n_group=4, topk_group=2).to_dict(),
+  config = dict(deepseek_v3_config(n_routed_experts=16, n_group=4, topk_group=2).to_dict(),
                 quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
   build = lambda **kw: models.from_config(config, mesh=ep_mesh, backend="xla",
                                           dtype=jnp.float32, seed=3, **kw)

@@ -12,18 +12,11 @@ import numpy as np
 import pytest
 from transformers import Qwen3MoeConfig
 
-from hf_tiny import hf_greedy, qwen3_moe_kwargs, random_ids, save_tiny
+from support.hf_tiny import first_near_tie, hf_greedy, qwen3_moe_kwargs, random_ids, save_tiny
 from jax_moe import models
 from jax_moe.models.generation import PromptGenerator, sample
 
 NEW_TOKENS = 8
-
-
-def _first_near_tie(step_logits_nbv, tolerance):
-  """Per row, the first decode step whose top-2 logits are closer than tolerance (or N)."""
-  top2 = np.sort(step_logits_nbv, axis=-1)[..., -2:]
-  near = (top2[..., 1] - top2[..., 0]) < tolerance                   # [N, B]
-  return np.where(near.any(0), near.argmax(0), near.shape[0])
 
 
 def test_greedy_matches_transformers(tmp_path, rng, ep_mesh, backend):
@@ -35,7 +28,7 @@ def test_greedy_matches_transformers(tmp_path, rng, ep_mesh, backend):
   tokens = np.asarray(models.generate(model, ids, NEW_TOKENS))
   assert tokens.shape == ref_tokens.shape
   np.testing.assert_array_equal(tokens[:, :5], ids)
-  compared = _first_near_tie(ref_logits, 1e-4 * np.abs(ref_logits).max())
+  compared = first_near_tie(ref_logits, 1e-4 * np.abs(ref_logits).max())
   for row, steps in enumerate(compared):
     np.testing.assert_array_equal(tokens[row, 5:5 + steps], ref_tokens[row, 5:5 + steps])
   assert compared.sum() >= 0.75 * compared.size * NEW_TOKENS

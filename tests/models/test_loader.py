@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 from transformers import Qwen3MoeConfig
 
-from hf_tiny import qwen3_moe_kwargs, random_ids, save_tiny
+from support.hf_tiny import qwen3_moe_kwargs, random_ids, save_tiny
 from jax_moe import models
 from jax_moe.models import base
 

@@ -67,11 +67,10 @@ def test_bench_decode_checks_backends_and_writes_results(tmp_path):
   assert payload["grouped_gemm"]["implementation"] == "auto"
 
 
-def test_bench_decode_realistic_shapes_are_the_served_models(monkeypatch):
+def test_bench_decode_realistic_shapes_are_the_served_models():
   """The realistic configs build (abstract parameters, no memory) with the parameter counts
   of their layer shapes: DeepSeek-V3's per layer (32 routed experts + 1 shared, MLA) and
   Qwen3-235B's (128 experts, GQA 64/4), plus both embeddings."""
-  monkeypatch.syspath_prepend(str(REPO))
   import jax
   import jax.numpy as jnp
   import numpy as np

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from transformers import Qwen3MoeConfig
 
-from hf_tiny import hf_logits, qwen3_moe_kwargs, random_ids, save_tiny
+from support.hf_tiny import hf_logits, qwen3_moe_kwargs, random_ids, save_tiny
 from jax_moe import models
 
 CONFIGS = {

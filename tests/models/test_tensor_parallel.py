@@ -15,10 +15,10 @@ import pytest
 from jax.sharding import Mesh
 from transformers import Qwen3MoeConfig
 
-import hf_tiny
+from support import hf_tiny
 from jax_moe import cli, models
 from jax_moe.models.sharding import ShardingRules
-from test_deepseek_v3 import _save_deepseek, tiny_config
+from support.hf_tiny import deepseek_v3_config, save_deepseek_v3
 
 MESHES = ((8, 1), (4, 2), (2, 4), (1, 8))
 PROMPT, NEW = 5, 3
@@ -39,7 +39,7 @@ def _save_qwen3(directory):
 
 
 def _save_dsv3(directory):
-  return _save_deepseek(directory, seed=4, num_attention_heads=8, num_key_value_heads=8,
+  return save_deepseek_v3(directory, seed=4, num_attention_heads=8, num_key_value_heads=8,
                         attention_bias=True)
 
 
@@ -146,7 +146,7 @@ def test_one_axis_mesh_is_the_expert_parallel_plan():
 ])
 def test_tp_not_dividing_the_heads_is_refused(family, config, mesh, message):
   hf_config = (Qwen3MoeConfig(**hf_tiny.qwen3_moe_kwargs(**config)) if family == "qwen3"
-               else tiny_config(**config))
+               else deepseek_v3_config(**config))
   with pytest.raises(ValueError, match=message):
     models.from_config(hf_config.to_dict(), mesh=mesh_2d(*mesh), backend="xla")
 

@@ -6,7 +6,7 @@ Rows at or past num_tokens carry valid-looking ids on purpose: a backend must ig
 import ml_dtypes
 import numpy as np
 
-from reference import BF16, Routing
+from support.reference import BF16, Routing
 
 SCENARIOS = (
     "random",  # K distinct experts per token, every token sent

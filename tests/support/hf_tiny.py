@@ -13,6 +13,8 @@ layout (`save_original_format=False`: `experts.gate_up_proj` [E, 2F, D],
 import numpy as np
 import torch
 import transformers
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 
 def qwen3_moe_kwargs(**overrides) -> dict:
@@ -64,3 +66,43 @@ def hf_greedy(model, ids: np.ndarray, max_new_tokens: int):
                          min_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
                          return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
   return out.sequences.numpy(), np.stack([l.float().numpy() for l in out.logits])
+
+
+# ------------------------------------------------------------------- DeepSeek-V3
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.9, "mscale_all_dim": 0.707}
+
+
+def deepseek_v3_config(**overrides):
+  """A DeepseekV3Config small enough for CPU tests; attn 'eager' so the math is plain."""
+  kw = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+            n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=12, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=6, v_head_dim=10, max_position_embeddings=64,
+            rope_parameters=dict(YARN), num_nextn_predict_layers=0)
+  kw.update(overrides)
+  config = DeepseekV3Config(**kw)
+  config._attn_implementation = "eager"
+  return config
+
+
+def save_deepseek_v3(directory, seed, **overrides):
+  """A tiny transformers DeepSeek-V3 saved as safetensors, with a random selection bias
+  (a buffer, so save_tiny's re-draw of the parameters leaves it at zero)."""
+  model, path = save_tiny(deepseek_v3_config(**overrides), directory, seed=seed)
+  with torch.no_grad():
+    for layer in model.model.layers:
+      if isinstance(layer.mlp, hf.DeepseekV3MoE):
+        layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
+  model.save_pretrained(path)
+  return model, path
+
+
+# ------------------------------------------------------------------- greedy comparisons
+def first_near_tie(step_logits_nbv, tolerance):
+  """Per row, the first decode step whose top-2 logits are closer than tolerance (or N)."""
+  top2 = np.sort(step_logits_nbv, axis=-1)[..., -2:]
+  near = (top2[..., 1] - top2[..., 0]) < tolerance                   # [N, B]
+  return np.where(near.any(0), near.argmax(0), near.shape[0])

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-import reference as ref
+from support import reference as ref
 
 
 def _bits(a):

@@ -17,9 +17,9 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe as jm
 from jax_moe.sharding import shard_map
-from meshes import make_mesh
-from reference import Geometry, quantize_fp8
-from routing_cases import activations, random_expert_outputs, random_fp8_rows
+from support.meshes import make_mesh
+from support.reference import Geometry, quantize_fp8
+from support.routing_cases import activations, random_expert_outputs, random_fp8_rows
 
 AXIS = "ep"
 DISPATCH_FIELDS = ("x", "scales", "weights", "group_sizes", "tokens_per_expert")

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from checks import assert_bitwise_equal
+from support.checks import assert_bitwise_equal
 
 DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
