@@ -58,12 +58,15 @@ for s in "${steps[@]}"; do
   case $s in
     tests)  # the parity tests pick up the GPUs and every backend available (xla, cuda)
       step tests_models 300 python3 -m pytest -q -p no:cacheprovider -rs tests/models ;;
-    generate)
+    generate)  # wall-clock tokens/s: one decode step per call (before) and 8 (the default)
       for backend in xla cuda; do
         for model in tiny-qwen3-moe tiny-deepseek-v3; do
-          step "generate_${model}_${backend}" 120 jax-moe generate --model "$model" \
-            --backend "$backend" --prompt-len 64 --max-new-tokens 32
-          grep -E '^(layout|prefill|decode)' "$logs/generate_${model}_${backend}.log"
+          for calls in 1 8; do
+            name="generate_${model}_${backend}_steps${calls}"
+            step "$name" 120 jax-moe generate --model "$model" --backend "$backend" \
+              --prompt-len 64 --max-new-tokens 64 --steps-per-call "$calls"
+            grep -E '^(prefill|decode)' "$logs/$name.log"
+          done
         done
       done ;;
     bench)
