@@ -182,14 +182,9 @@ class DecoderLayer(nnx.Module):
                                  pool=pool, dtype=dtype)
 
   def __call__(self, x_bsd, positions_bs, cache=None, index=None):
-    h_in = self.input_layernorm(x_bsd)
-    with jax.named_scope(stages.ATTENTION):
-      h_bsd, cache = self.self_attn(h_in, positions_bs, cache, index)
-    x_bsd = x_bsd + h_bsd
-    h_in = self.post_attention_layernorm(x_bsd)
-    with stages.mlp_scope(self.is_moe):
-      h_bsd = self.mlp(h_in)
-    return x_bsd + h_bsd, cache
+    attention = lambda h: self.self_attn(h, positions_bs, cache, index)  # noqa: E731
+    return stages.pre_norm_residual(x_bsd, self.input_layernorm, attention,
+                                    self.post_attention_layernorm, self.mlp, self.is_moe)
 
 
 class DeepseekV3ForCausalLM(CausalLM):

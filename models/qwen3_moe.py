@@ -195,14 +195,9 @@ class DecoderLayer(nnx.Module):
                                  pool=pool, dtype=dtype)
 
   def __call__(self, x_bsd, cos, sin, positions_bs, kv_cache=None, index=None):
-    h_in = self.input_norm(x_bsd)
-    with jax.named_scope(stages.ATTENTION):
-      h, kv_cache = self.attn(h_in, cos, sin, positions_bs, kv_cache, index)
-    x_bsd = x_bsd + h
-    h_in = self.post_attn_norm(x_bsd)
-    with stages.mlp_scope(self.is_moe):
-      h = self.mlp(h_in)
-    return x_bsd + h, kv_cache
+    attention = lambda h: self.attn(h, cos, sin, positions_bs, kv_cache, index)  # noqa: E731
+    return stages.pre_norm_residual(x_bsd, self.input_norm, attention, self.post_attn_norm,
+                                    self.mlp, self.is_moe)
 
 
 class Qwen3MoeForCausalLM(CausalLM):

@@ -27,6 +27,20 @@ def mlp_scope(is_moe: bool):
   return contextlib.nullcontext() if is_moe else jax.named_scope(DENSE_MLP)
 
 
+def pre_norm_residual(x_bsd, attention_norm, attention, mlp_norm, mlp, is_moe: bool):
+  """A decoder layer's two pre-norm residual blocks, each stage in its scope:
+  x + attention(norm(x)) then + mlp(norm(.)). `attention(h)` returns (out, cache); returns
+  (x, cache)."""
+  h_bsd = attention_norm(x_bsd)
+  with jax.named_scope(ATTENTION):
+    h_bsd, cache = attention(h_bsd)
+  x_bsd = x_bsd + h_bsd
+  h_bsd = mlp_norm(x_bsd)
+  with mlp_scope(is_moe):
+    h_bsd = mlp(h_bsd)
+  return x_bsd + h_bsd, cache
+
+
 def stage_of(op_name: str) -> str:
   """The innermost stage among the path components of an op_name ("jit(decode)/while/body/
   attention/dot_general" -> "attention"), else OTHER."""
