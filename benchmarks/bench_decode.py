@@ -39,7 +39,7 @@ from benchmarks.arguments import csv_list  # noqa: E402
 from benchmarks.environment import device_slug, ep_mesh, provenance  # noqa: E402
 from benchmarks.timing import summarize, time_per_iteration  # noqa: E402
 from jax_moe import grouped_gemm, models  # noqa: E402
-from jax_moe.models.moe import GEMM_IMPLEMENTATION  # noqa: E402
+from jax_moe.models import moe  # noqa: E402
 
 PARITY_TOLERANCE = 1e-5  # f32 twins, exact wire: only summation order may differ
 # A larger model than the embedded tiny ones: Qwen3-MoE-like, 4 layers, 64 experts top-8.
@@ -110,6 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True,
                  help="profile a few decode steps: kernel time per stage (attention, router, "
                       "dispatch, experts, combine, ...) into the JSON and a stacked-bar PNG")
+  p.add_argument("--jax-user-peer", action=argparse.BooleanOptionalAction, default=True,
+                 help="also time the model with the xla exchange and lax.ragged_dot experts "
+                      "(what a JAX user has today; only where tokamax is the default GEMM, "
+                      "elsewhere the xla rows already are that)")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--budget-s", type=float, default=30.0,
                  help="shorten the long loop to about this many seconds")
@@ -268,6 +272,40 @@ def time_model(name, mesh, backend, args, batch, copy) -> dict:
           "layout": model.layout()}
 
 
+def time_jax_user_peer(name, mesh, args, batch, copy) -> dict:
+  """The same model as a JAX user runs it today: the xla exchange and the experts through
+  jax.lax.ragged_dot (models.moe.GEMM_IMPLEMENTATION, read while tracing). Running out of
+  memory is a result too (seen at the realistic prefill sizes)."""
+  label = f"{name} b{batch} xla+lax.ragged_dot"
+  saved, moe.GEMM_IMPLEMENTATION = moe.GEMM_IMPLEMENTATION, "lax"
+  try:
+    result = time_model(name, mesh, "xla", args, batch, copy)
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    return {"label": label, "model": name, "backend": "xla", "batch": batch,
+            "status": "out of memory", "family": "peer", "reason": str(e).splitlines()[0]}
+  finally:
+    moe.GEMM_IMPLEMENTATION = saved
+  return dict(result, label=label, family="peer")
+
+
+def compare_with_peer(row: list) -> None:
+  """Issue 16's ratios, in each timed result of one (model, batch): the exchange's share of
+  the step (dispatch + combine kernel time from the stage profile over the step time) and
+  tokens/s over the JAX-user peer's (when it ran)."""
+  peer = next((r for r in row if r.get("family") == "peer" and r["status"] == "ok"), None)
+  for r in row:
+    if r["status"] != "ok":
+      continue
+    if r.get("stages"):
+      per_stage = r["stages"]["stages_us"]
+      r["exchange_fraction_of_step"] = ((per_stage["dispatch"] + per_stage["combine"])
+                                        / r["time"]["median_us"])
+    if peer is not None and r is not peer:
+      r["tokens_per_s_over_jax_user"] = r["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
+
+
 def measure_copy_bandwidth(mib: int, reps: int) -> dict:
   """The HBM copy bandwidth (bytes read + written per second) of bench_grouped_gemm's copy
   loop, the floors' denominator."""
@@ -339,21 +377,25 @@ def plot_stages(payload: dict, path: Path) -> bool:
 
 
 def _table(results) -> str:
-  header = (f"{'model batch backend':34} {'status':8} {'step us':>9} {'p10-p90':>15} "
-            f"{'tok/s':>9} {'x floor':>8} {'prefill ms':>10} {'TFLOP/s':>8} {'of peak':>7}")
+  def opt(value, form):
+    return "-" if value is None else format(value, form)
+
+  header = (f"{'model batch backend':40} {'status':8} {'step us':>9} {'p10-p90':>15} "
+            f"{'tok/s':>9} {'x floor':>8} {'exch':>5} {'x user':>6} {'prefill ms':>10} "
+            f"{'TFLOP/s':>8} {'of peak':>7}")
   lines = [header, "-" * len(header)]
   for r in results:
     if r["status"] != "ok":
-      lines.append(f"{r['label'][:34]:34} {r['status']:8} {r.get('reason', '')[:120]}")
+      lines.append(f"{r['label'][:40]:40} {r['status']:8} {r.get('reason', '')[:120]}")
       continue
     t, pre = r["time"], r["prefill"]
-    over = r["floor"].get("step_over_floor")
-    peak = pre["fraction_of_bf16_peak"]
-    lines.append(f"{r['label'][:34]:34} {'ok':8} {t['median_us']:9.1f} "
+    lines.append(f"{r['label'][:40]:40} {'ok':8} {t['median_us']:9.1f} "
                  f"{t['p10_us']:7.1f}-{t['p90_us']:<7.1f} {r['decode_tokens_per_s']:9.0f} "
-                 f"{'-' if over is None else f'{over:.2f}':>8} "
+                 f"{opt(r['floor'].get('step_over_floor'), '.2f'):>8} "
+                 f"{opt(r.get('exchange_fraction_of_step'), '.0%'):>5} "
+                 f"{opt(r.get('tokens_per_s_over_jax_user'), '.2f'):>6} "
                  f"{pre['time']['median_us'] / 1e3:10.2f} {pre['tflops_per_device']:8.2f} "
-                 f"{'-' if peak is None else f'{peak:.0%}':>7}")
+                 f"{opt(pre['fraction_of_bf16_peak'], '.0%'):>7}")
   return "\n".join(lines)
 
 
@@ -391,8 +433,11 @@ def main(argv=None) -> int:
                       "reason": f"backends disagree: {parity[name]['f32_exact']}"})
       continue
     for batch in batches:
-      for backend in backends:
-        results.append(time_model(name, mesh, backend, args, batch, copy))
+      row = [time_model(name, mesh, backend, args, batch, copy) for backend in backends]
+      if args.jax_user_peer and tokamax_ok:
+        row.append(time_jax_user_peer(name, mesh, args, batch, copy))
+      compare_with_peer(row)
+      results += row
   payload = {
       "benchmark": "decode",
       "environment": provenance(mesh, args.git_commit),
@@ -401,7 +446,7 @@ def main(argv=None) -> int:
                  "dtype": "bfloat16", "backends": backends, "seed": args.seed,
                  "models": {name: model_config(name, args.layers) for name in args.models}},
       "copy_bandwidth": copy,
-      "grouped_gemm": {"implementation": GEMM_IMPLEMENTATION,
+      "grouped_gemm": {"implementation": moe.GEMM_IMPLEMENTATION,
                        "tokamax": tokamax_ok, "status": gemm},
       "parity": parity,
       "results": results,

@@ -112,3 +112,27 @@ def test_generate_tensor_parallel_gives_the_data_parallel_tokens(tmp_path):
   assert runs[4]["mesh"] == {"dp": 2, "tp": 4} and runs[1]["mesh"] == {"ep": 8}
   assert runs[4]["prompt_tokens"] == runs[1]["prompt_tokens"]
   assert runs[4]["tokens"] == runs[1]["tokens"]
+
+
+def test_bench_decode_jax_user_peer_and_the_ratios():
+  """The peer runs the xla exchange with lax.ragged_dot experts and leaves the models' GEMM
+  setting as it found it; the ratios divide what they say."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh
+
+  from benchmarks import bench_decode
+  from jax_moe.models import moe
+
+  mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+  args = bench_decode.parse_args(["--steps", "2", "--short-steps", "1", "--reps", "1",
+                                  "--prompt-len", "3", "--prefill-calls", "2"])
+  peer = bench_decode.time_jax_user_peer("tiny-qwen3-moe", mesh, args, 4, None)
+  assert peer["status"] == "ok" and peer["family"] == "peer", peer
+  assert peer["label"].endswith("xla+lax.ragged_dot") and moe.GEMM_IMPLEMENTATION == "auto"
+  ours = dict(peer, family="jax_moe", decode_tokens_per_s=3 * peer["decode_tokens_per_s"])
+  bench_decode.compare_with_peer([ours, peer])
+  assert abs(ours["tokens_per_s_over_jax_user"] - 3) < 1e-9
+  stages = peer["stages"]["stages_us"]
+  assert abs(peer["exchange_fraction_of_step"] * peer["time"]["median_us"]
+             - (stages["dispatch"] + stages["combine"])) < 1e-6
