@@ -110,12 +110,16 @@ class TransferEngine:
     return PeerGroup(group_id, tuple(rank for rank, _ in members))
 
   def scatter(self, group: PeerGroup, source: MemoryRegion, src_offsets: Sequence[int],
-              lengths: Sequence[int], dst_offsets: Sequence[int], tag: int) -> None:
+              lengths: Sequence[int], dst_offsets: Sequence[int], tag: int,
+              timeout_s: float | None = None) -> None:
     """One write per member i: `lengths[i]` bytes from `source` at `src_offsets[i]` to the
     member's region at `dst_offsets[i]`, each with immediate (tag, self.rank). Every member
-    gets its immediate, also for an empty slice. Returns once posted (see flush)."""
+    gets its immediate, also for an empty slice. Returns once posted (see flush); posting
+    gives up after `timeout_s` (default: the engine's) of a full transmit queue, for all the
+    writes together."""
     self._engine.scatter(group.id, source.id, [int(v) for v in src_offsets],
-                         [int(v) for v in lengths], [int(v) for v in dst_offsets], int(tag))
+                         [int(v) for v in lengths], [int(v) for v in dst_offsets], int(tag),
+                         self._bound(timeout_s))
 
   def barrier(self, group: PeerGroup, tag: int, timeout_s: float | None = None) -> None:
     """Sends (tag, self.rank) to every member and waits for (tag, member) from each."""

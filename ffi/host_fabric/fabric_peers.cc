@@ -104,12 +104,15 @@ bool FabricPeers::post(Signal signal, uint64_t seq,
       if (!is_remote(peer)) continue;
       const uint64_t base = uint64_t(staging_index_[peer]) * buffer_bytes_;
       const std::vector<Span>& spans = spans_by_peer[peer];
+      // every post within the call's deadline, not a full engine timeout each
       if (spans.empty()) {
-        engine_.scatter(group_of_[peer], staging_region_, {transport::Slice{}}, tag);
+        engine_.scatter(group_of_[peer], staging_region_, {transport::Slice{}}, tag,
+                        seconds_left(deadline));
       }
       for (const Span& span : spans) {
         engine_.scatter(group_of_[peer], staging_region_,
-                        {transport::Slice{base + span.offset, span.length, span.offset}}, tag);
+                        {transport::Slice{base + span.offset, span.length, span.offset}}, tag,
+                        seconds_left(deadline));
       }
     }
     peer = -1;

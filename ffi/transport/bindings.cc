@@ -100,10 +100,12 @@ void bind_transport(nb::module_& m) {
           "scatter",
           [](TransferEngine& e, int group, int source, const std::vector<uint64_t>& src_offsets,
              const std::vector<uint64_t>& lengths, const std::vector<uint64_t>& dst_offsets,
-             uint32_t tag) {
-            e.scatter(group, source, make_slices(src_offsets, lengths, dst_offsets), tag);
+             uint32_t tag, double timeout_s) {
+            e.scatter(group, source, make_slices(src_offsets, lengths, dst_offsets), tag,
+                      timeout_s);
           },
-          release_gil())
+          nb::arg("group"), nb::arg("source"), nb::arg("src_offsets"), nb::arg("lengths"),
+          nb::arg("dst_offsets"), nb::arg("tag"), nb::arg("timeout_s") = 0.0, release_gil())
       .def("barrier", &TransferEngine::barrier, release_gil())
       .def("wait", &TransferEngine::wait, release_gil())
       .def("flush", &TransferEngine::flush, release_gil())

@@ -379,7 +379,8 @@ size_t TransferEngine::group_size(int group) const {
 
 void TransferEngine::post_write(const Member& member, void* local, uint64_t length,
                                 void* local_desc, uint64_t remote_addr, uint64_t key,
-                                uint32_t immediate) {
+                                uint32_t immediate, Clock::time_point deadline,
+                                double limit_s) {
   WriteContext* context;
   {
     std::lock_guard<std::mutex> lock(progress_mutex_);
@@ -407,11 +408,10 @@ void TransferEngine::post_write(const Member& member, void* local, uint64_t leng
   msg.context = context;
   msg.data = immediate;
 
-  const auto deadline = deadline_after(config_.timeout_s);
   ssize_t ret;
   // FI_EAGAIN: the transmit queue is full until completions are reaped (and, for software
   // providers such as rxm, until someone drives progress): poll the queue and retry, up to
-  // the timeout.
+  // the caller's deadline.
   while ((ret = fi_writemsg(ep_, &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION)) == -FI_EAGAIN &&
          Clock::now() < deadline) {
     if (poll_once() == 0) std::this_thread::yield();
@@ -423,8 +423,7 @@ void TransferEngine::post_write(const Member& member, void* local, uint64_t leng
       free_contexts_.push_back(context);
     }
     const std::string reason =
-        ret == -FI_EAGAIN ? "the transmit queue stayed full for " +
-                                seconds_text(config_.timeout_s) +
+        ret == -FI_EAGAIN ? "the transmit queue stayed full for " + seconds_text(limit_s) +
                                 " (is the peer alive, and is its address right?)"
                           : fi_strerror(static_cast<int>(-ret));
     throw TransportError("rank " + std::to_string(config_.rank) + ": write to rank " +
@@ -435,8 +434,10 @@ void TransferEngine::post_write(const Member& member, void* local, uint64_t leng
 }
 
 void TransferEngine::scatter(int group_id, int source, const std::vector<Slice>& slices,
-                             uint32_t tag) {
+                             uint32_t tag, double timeout_s) {
   check_can_post("scatter", tag);
+  const double limit = bound(timeout_s);
+  const auto deadline = deadline_after(limit);
   const Group* group;
   const Region* region;
   {
@@ -481,10 +482,11 @@ void TransferEngine::scatter(int group_id, int source, const std::vector<Slice>&
     const Member& m = group->members[i];
     if (s.length == 0) {
       // An empty slice still announces itself: a zero-length write to the signal region.
-      post_write(m, nullptr, 0, nullptr, m.signal.addr, m.signal.key, immediate);
+      post_write(m, nullptr, 0, nullptr, m.signal.addr, m.signal.key, immediate, deadline,
+                 limit);
     } else {
       post_write(m, static_cast<char*>(region->base) + s.src_offset, s.length, region->local_desc,
-                 m.dest.addr + s.dst_offset, m.dest.key, immediate);
+                 m.dest.addr + s.dst_offset, m.dest.key, immediate, deadline, limit);
     }
   }
 }
@@ -497,12 +499,16 @@ void TransferEngine::barrier(int group_id, uint32_t tag, double timeout_s) {
     group = &group_at(group_id);
   }
   const uint32_t immediate = make_immediate(tag, config_.rank);
+  const double limit = bound(timeout_s);
+  const auto deadline = deadline_after(limit);
   std::vector<std::pair<uint32_t, uint64_t>> counts;
   for (const Member& m : group->members) {
-    post_write(m, nullptr, 0, nullptr, m.signal.addr, m.signal.key, immediate);
+    post_write(m, nullptr, 0, nullptr, m.signal.addr, m.signal.key, immediate, deadline, limit);
     counts.emplace_back(m.rank, 1);
   }
-  wait(tag, counts, timeout_s, "barrier");
+  // what is left of the bound (never 0, which wait() reads as the engine's default)
+  const double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+  wait(tag, counts, std::max(left, 1e-3), "barrier");
 }
 
 // Waiters poll the completion queue themselves (concurrently with the progress thread, as

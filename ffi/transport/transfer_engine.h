@@ -23,6 +23,7 @@
 #include <rdma/fi_endpoint.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -93,9 +94,12 @@ class TransferEngine {
 
   // Posts one write per member (slices[i] for member i) from region `source`, each with the
   // immediate (tag, this rank). Returns once posted; flush() waits for local completion.
-  void scatter(int group, int source, const std::vector<Slice>& slices, uint32_t tag);
+  // Posting all of them gives up after timeout_s (0: the engine's timeout) of a full
+  // transmit queue, counted from the call, not per write.
+  void scatter(int group, int source, const std::vector<Slice>& slices, uint32_t tag,
+               double timeout_s = 0);
   // Writes the immediate (tag, this rank) to every member, then waits for (tag, member)
-  // from every member.
+  // from every member; the posts and the wait share one timeout_s.
   void barrier(int group, uint32_t tag, double timeout_s);
   // Waits until (tag, source) arrived counts[i].second times for every (source, count), then
   // consumes them. Throws naming the stage `what`, the tag and every short source on timeout.
@@ -134,8 +138,11 @@ class TransferEngine {
 
   void open_fabric();
   void open_endpoint();
+  // Posts one write; retries a full transmit queue until `deadline` (`limit_s` after the
+  // caller's start, for the error message).
   void post_write(const Member& member, void* local, uint64_t length, void* local_desc,
-                  uint64_t remote_addr, uint64_t key, uint32_t immediate);
+                  uint64_t remote_addr, uint64_t key, uint32_t immediate,
+                  std::chrono::steady_clock::time_point deadline, double limit_s);
   void progress_loop();
   size_t poll_once();
   void read_error_entry();
