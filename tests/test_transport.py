@@ -265,20 +265,24 @@ def test_scatter_arguments_are_checked():
             transport.TransferEngine(0, provider="no provider-x", timeout_s=1.0)
 
 
+def _closed_tcp_peer(e):
+    """(group, source region) of `e` towards a tcp;ofi_rxm peer (rank 1) closed before `e`
+    ever reached it: no write to it is ever accepted."""
+    gone = engine(rank=1, provider="tcp;ofi_rxm")
+    descriptor = gone.register(np.zeros(64, np.uint8)).descriptor
+    address = gone.address
+    gone.close()
+    e.add_peer(address)
+    return e.create_group([(1, descriptor)]), e.register(np.ones(64, np.uint8))
+
+
 def test_posting_gives_up_at_the_callers_timeout_not_the_engines():
-    """tcp;ofi_rxm cannot connect to a closed peer, so its transmit queue stays full: scatter
-    and barrier give up after their own timeout_s, for all their writes together, though the
-    engine's own bound is 30 s."""
+    """A closed peer's transmit queue stays full: scatter and barrier give up after their own
+    timeout_s, for all their writes together, though the engine's own bound is 30 s."""
     e = transport.TransferEngine(0, provider="tcp;ofi_rxm", node=PROVIDERS["tcp;ofi_rxm"],
                                  timeout_s=30.0)
     try:
-        gone = engine(rank=1, provider="tcp;ofi_rxm")
-        gone_dest = gone.register(np.zeros(64, np.uint8))
-        address, descriptor = gone.address, gone_dest.descriptor
-        gone.close()
-        e.add_peer(address)
-        group = e.create_group([(1, descriptor)])
-        src = e.register(np.ones(64, np.uint8))
+        group, src = _closed_tcp_peer(e)
         for post in (lambda: e.scatter(group, src, [0], [64], [0], tag=3, timeout_s=0.5),
                      lambda: e.barrier(group, tag=4, timeout_s=0.5)):
             start = time.monotonic()
@@ -291,13 +295,7 @@ def test_posting_gives_up_at_the_callers_timeout_not_the_engines():
 
 def test_closed_peer_is_an_error_not_a_hang():
     with engine(provider="tcp;ofi_rxm") as e:
-        gone = engine(rank=1, provider="tcp;ofi_rxm")
-        gone_dest = gone.register(np.zeros(64, np.uint8))
-        address, descriptor = gone.address, gone_dest.descriptor
-        gone.close()
-        e.add_peer(address)
-        group = e.create_group([(1, descriptor)])
-        src = e.register(np.ones(64, np.uint8))
+        group, src = _closed_tcp_peer(e)
         start = time.monotonic()
         # tcp;ofi_rxm cannot connect, so the write is never accepted; any provider must
         # end in a TransportError that names the peer.
