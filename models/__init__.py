@@ -16,12 +16,14 @@ all dp * tp devices (sharding.py has the rules; `axis` / `tp_axis` name other ax
 from __future__ import annotations
 
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh
 
 from jax_moe.models import loader
 from jax_moe.models.base import MODEL_TYPES, Cache, CausalLM, model_class
 from jax_moe.models.checkpoint import CheckpointError
 from jax_moe.models.generation import Generator, forward, generate
+from jax_moe.models.moe import RoutedExperts
 from jax_moe.models.sharding import DEFAULT_AXIS, TP_MESH_AXES, ShardingRules, default_mesh
 from jax_moe.models.tiny import TINY_CONFIGS
 
@@ -40,6 +42,15 @@ def _build(config: dict, mesh, axis: str | None, backend: str, dtype, wire,
              expert_weights=expert_weights)
 
 
+def _kernel_ready(model):
+  """`model` with its block-fp8 experts' kernel scale operands built once, where their GEMM
+  takes tokamax's kernel (RoutedExperts.precompute_kernel_scales)."""
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, RoutedExperts):
+      node.precompute_kernel_scales()
+  return model
+
+
 def from_pretrained(path: str, mesh=None, backend: str = "auto", dtype=jnp.bfloat16, *,
                     axis: str | None = None, tp_axis: str | None = None,
                     wire: str | None = None, expert_weights: str = "dtype",
@@ -56,7 +67,7 @@ def from_pretrained(path: str, mesh=None, backend: str = "auto", dtype=jnp.bfloa
   """
   reader = loader.CheckpointReader(path)
   model = _build(reader.config, mesh, axis, backend, dtype, wire, expert_weights, tp_axis)
-  return loader.load_weights(model, reader, progress)
+  return _kernel_ready(loader.load_weights(model, reader, progress))
 
 
 def from_config(config: dict, mesh=None, backend: str = "auto", dtype=jnp.bfloat16, *,
@@ -65,8 +76,8 @@ def from_config(config: dict, mesh=None, backend: str = "auto", dtype=jnp.bfloat
   """A model of a config.json dict with random weights (fixed seed), placed on `mesh` (as
   from_pretrained takes it); with expert_weights="fp8" the experts' random weights are
   block-fp8 quantized."""
-  return loader.random_weights(
-      _build(config, mesh, axis, backend, dtype, wire, expert_weights, tp_axis), seed)
+  return _kernel_ready(loader.random_weights(
+      _build(config, mesh, axis, backend, dtype, wire, expert_weights, tp_axis), seed))
 
 
 def tiny(name: str, **kwargs):

@@ -385,6 +385,63 @@ def test_fp8_dispatch_rule(rng, stand_in_kernel):
         gg.implementation_for(x.astype(jnp.float32), w8, implementation="tokamax")
 
 
+def _fp8_expert_layer(rng, tp=False):
+    """A RoutedExperts of 8 block-fp8 experts (D 256, F 128) over 2 CPU devices (one tp pair
+    with tp), random weights, and its inputs."""
+    from jax_moe.models.moe import CommunicatorPool, RoutedExperts
+    from jax_moe.models.sharding import ShardingRules
+
+    E, D, F, K, T = 8, 256, 128, 2, 16
+    mesh = (jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("dp", "tp")) if tp
+            else make_mesh(2))
+    rules = ShardingRules.of_mesh(mesh, None, "tp" if tp else None)
+    layer = RoutedExperts(E, D, F, experts_per_token=K, rules=rules,
+                          pool=CommunicatorPool(rules, "xla"), dtype=jnp.bfloat16, wire="bf16",
+                          fp8_block=(128, 128))
+    for variable in (layer.w_gate_edf, layer.w_up_edf, layer.w_down_efd):
+        g, k, n = variable.get_value().shape
+        w = rng.standard_normal((g, k, n)).astype(np.float32) / np.sqrt(k)
+        q = gg.BlockFp8Weights.quantize(w, (128, 128))
+        like = variable.get_value()
+        variable.set_value(gg.BlockFp8Weights(
+            jax.device_put(q.codes, like.codes.sharding),
+            jax.device_put(q.scales, like.scales.sharding), q.block))
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.permutation(E)[:K] for _ in range(T)]), jnp.int32)
+    layer.pool.prepare(T)
+    return layer, (x, ids, jnp.full((T, K), 1.0 / K, jnp.float32))
+
+
+@pytest.mark.parametrize("tp", [False, True], ids=["ep", "dp_tp"])
+def test_models_fp8_kernel_scales_built_once_give_the_same_bits(rng, stand_in_kernel, tp):
+    """RoutedExperts.precompute_kernel_scales (stand-in Hopper with tokamax): each shard's
+    operands are those the GEMM builds per call, so the layer's output is bit-identical, and
+    the kernel got the precomputed f16 scales."""
+    from flax import nnx
+
+    layer, inputs = _fp8_expert_layer(rng, tp)
+    run = lambda: np.asarray(nnx.jit(lambda m, *a: m(*a))(layer, *inputs), np.float32)  # noqa: E731
+    before = run()
+    assert layer.precompute_kernel_scales()
+    w = layer.w_gate_edf.get_value()
+    assert w.kernel_scales.shape == (8, 256 // 128, 128) and w.kernel_scales.dtype == jnp.float16
+    assert w.kernel_unit.shape == (2,)  # one per shard
+    stand_in_kernel.clear()
+    np.testing.assert_array_equal(run(), before)
+    assert stand_in_kernel and all(call[2]["scale"] == jnp.float16 for call in stand_in_kernel)
+    assert not layer.precompute_kernel_scales()  # already built
+
+
+def test_models_fp8_kernel_scales_are_not_built_for_the_lax_path(rng, monkeypatch):
+    from jax_moe.models import moe
+
+    layer, _ = _fp8_expert_layer(rng)
+    assert not layer.precompute_kernel_scales()  # CPU: lax.ragged_dot, nothing to build
+    assert layer.w_gate_edf.get_value().kernel_scales is None
+    monkeypatch.setattr(moe, "GEMM_IMPLEMENTATION", "lax")
+    assert not layer.precompute_kernel_scales()
+
+
 def _assert_fp8_close(got, want, x, w8, sizes, out_dtype):
     """got (the kernel: f16 x, weights codes * f16 scale in f16) against x times the
     bf16-dequantized weights: their weights differ by the bf16 rounding (2^-9 relative) plus
