@@ -64,7 +64,8 @@ def _check_key(temperature, key):
 
 
 class Generator:
-  """Compiled prefill and decode step for one (batch, prompt_len, max_new_tokens) shape."""
+  """Compiled prefill and decode loop (every step in one call) for one (batch, prompt_len,
+  max_new_tokens) shape."""
 
   def __init__(self, model, batch: int, prompt_len: int, max_new_tokens: int,
                temperature: float = 0.0, top_p: float = 1.0):
@@ -148,7 +149,8 @@ class Completion:
   tokens: list[list[int]]
   prefill_s: float
   decode_s: float
-  decode_steps: int      # decode calls made (prompt tokens past the shortest prompt included)
+  decode_steps: int      # decode steps whose tokens were read (prompt tokens past the shortest
+                         # prompt included; a last call's steps past the end not counted)
   stopped: list[bool]    # the sequence ended with an end-of-sequence id
 
 
@@ -158,7 +160,8 @@ _runs = itertools.count()  # the same sequence in every process: they run the sa
 
 
 class _TokenReader:
-  """Each step's tokens [B] on the host, in every process, without a device collective.
+  """Each call's tokens ([B] or [B, n]) on the host, in every process, without a device
+  collective.
 
   Alone (or with the tokens replicated) the array is read directly. Across processes each
   process publishes the rows it holds in jax.distributed's key-value store and reads the
