@@ -24,9 +24,9 @@ trap finish EXIT
 
 { nvidia-smi topo -m; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } \
   > "$logs/topo.txt" 2>&1
-if ! python3 -m pip install --no-build-isolation --no-deps -e . \
-    -Ccmake.define.JAX_MOE_ENABLE_CUDA=ON -Ccmake.define.JAX_MOE_ENABLE_LIBFABRIC=OFF \
-    > "$logs/build.log" 2>&1; then
+# shellcheck source=benchmarks/gpu_build.sh
+. "$(dirname "$0")/gpu_build.sh"
+if ! build_jax_moe "$logs/build.log" OFF; then
   tail -40 "$logs/build.log"
   echo "BUILD FAILED" | tee -a "$logs/summary.txt"
   exit 1

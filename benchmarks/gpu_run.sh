@@ -47,9 +47,9 @@ if [ -f .fabric/lib/pkgconfig/libfabric.pc ]; then
   fabric=ON
   export PKG_CONFIG_PATH=$PWD/.fabric/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
 fi
-if ! python3 -m pip install --no-build-isolation --no-deps -e . \
-    -Ccmake.define.JAX_MOE_ENABLE_CUDA=ON -Ccmake.define.JAX_MOE_ENABLE_LIBFABRIC=$fabric \
-    > "$logs/build.log" 2>&1; then
+# shellcheck source=benchmarks/gpu_build.sh
+. "$(dirname "$0")/gpu_build.sh"
+if ! build_jax_moe "$logs/build.log" "$fabric"; then
   tail -40 "$logs/build.log"
   echo "BUILD FAILED"
   exit 1

@@ -1,0 +1,19 @@
+# Sourced by the gpu_*.sh scripts: build_jax_moe LOG LIBFABRIC(ON|OFF) installs this checkout
+# editable with the CUDA kernels, the build log in LOG. The GPU machines have no package index:
+# when the run carries a scikit-build-core wheel in .whl/ (the `wheel.packages` table of
+# pyproject.toml wants a recent one), the build uses it, and only the build sees it.
+build_jax_moe() {
+  local log=$1 fabric=$2 backend_path=""
+  local wheel
+  wheel=$(compgen -G ".whl/scikit_build_core-*.whl" | head -1)
+  if [ -n "$wheel" ]; then
+    backend_path=/tmp/jax_moe_build_backend
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
+      --target "$backend_path" "$wheel" > "$log" 2>&1 || return 1
+  fi
+  { python3 -m pip show scikit-build-core 2>/dev/null | grep -i '^version' | sed 's/^/system scikit-build-core /'
+    [ -n "$backend_path" ] && echo "build backend from $wheel"; } >> "$log"
+  PYTHONPATH=$backend_path${PYTHONPATH:+:$PYTHONPATH} python3 -m pip install --no-build-isolation \
+    --no-deps -e . -Ccmake.define.JAX_MOE_ENABLE_CUDA=ON \
+    -Ccmake.define.JAX_MOE_ENABLE_LIBFABRIC="$fabric" >> "$log" 2>&1
+}
