@@ -42,6 +42,18 @@ def available_backends(platform: str | None = None) -> list[str]:
   return names
 
 
+def _gather_by_sum(backend_name: str) -> bool:
+  """Whether a DP group's outputs are gathered through the AllReduce kernels
+  (Communicator._make_group_sum): on the cuda backend."""
+  return backend_name == "cuda"
+
+
+def _close_all(backend, group_sum) -> None:
+  backend.close()
+  if group_sum is not None:
+    group_sum.close()
+
+
 def _resolve_backend(backend: str, platform: str) -> str:
   if backend == "auto":
     return available_backends(platform)[-1]
@@ -128,12 +140,13 @@ class Communicator:
       from jax_moe.backends.xla import XlaBackend
       self._backend = XlaBackend(self.exchange_cfg, mesh, axis)
     self.capacity = self._backend.capacity
+    self._group_sum = self._make_group_sum()
     serial = next(_serials)
     self._owner = Owner(serial, f"Communicator #{serial} ({self.backend_name}, axis {axis!r} "
                                  f"of mesh {dict(mesh.shape)})")
     self._closed = False
     # Native state is freed when the communicator is collected without close() too.
-    self._finalizer = weakref.finalize(self, self._backend.close)
+    self._finalizer = weakref.finalize(self, _close_all, self._backend, self._group_sum)
 
   # ------------------------------------------------------------ lifecycle
   def check(self) -> None:
@@ -219,11 +232,32 @@ class Communicator:
     num_tokens = jnp.where(valid, jnp.clip(num_tokens - start, 0, share), num_tokens)
     return x, take(topk_ids), take(topk_weights), num_tokens.astype(jnp.int32)
 
+  def _make_group_sum(self):
+    """The AllReduce that gathers a DP group's outputs on GPUs (cuda backend) when they fit
+    its kernels, else None. Gathered as a sum of zero-padded shares through the AllReduce
+    kernels (CUDA IPC) instead of XLA's all_gather, which goes through NCCL: NCCL refuses two
+    ranks of one GPU (processes sharing a GPU), and it is one more library collective in a
+    decode step. The sum is exact (x + 0 = x; a -0.0 comes out +0.0); twice the bytes of a
+    gather, so only messages up to the AllReduce's default size (decode) take it."""
+    if self.group_size == 1 or not _gather_by_sum(self.backend_name):
+      return None
+    from jax_moe.all_reduce import DEFAULT_MAX_BYTES, AllReduce
+    message = self.cfg.max_tokens * self.cfg.hidden * jnp.dtype(jnp.bfloat16).itemsize
+    if message > DEFAULT_MAX_BYTES:
+      return None
+    algorithm = "auto" if _platform(self.mesh) == "gpu" else "psum"
+    return AllReduce(self.mesh, self.replicated_over, max_bytes=message, algorithm=algorithm)
+
   def _gathered(self, out):
     """Every output of the group on every rank of it (DP groups); `out` as is otherwise."""
     if self.group_size == 1:
       return out
-    return jax.lax.all_gather(out, self.replicated_over, axis=0, tiled=True)
+    if self._group_sum is None:
+      return jax.lax.all_gather(out, self.replicated_over, axis=0, tiled=True)
+    share = out.shape[0]
+    start = jax.lax.axis_index(self.replicated_over) * share
+    padded = jnp.zeros((self.group_size * share,) + out.shape[1:], out.dtype)
+    return self._group_sum(jax.lax.dynamic_update_slice_in_dim(padded, out, start, axis=0))
 
   def _tag(self, kind: str, inner) -> Handle:
     return Handle(self._owner, kind, inner)

@@ -114,6 +114,31 @@ def test_dp_groups_send_shares_and_every_rank_gets_the_group_outputs(backend, rn
   comm.close()
 
 
+@pytest.mark.parametrize("split", (False, True))
+def test_group_outputs_gathered_as_a_sum_equal_the_all_gather(backend, rng, monkeypatch, split):
+  """The cuda backend gathers a group's outputs through the AllReduce kernels as a sum of
+  zero-padded shares (Communicator._make_group_sum); forced here on CPU (AllReduce's psum),
+  it gives the all_gather's outputs exactly."""
+  from jax_moe import communicator
+
+  mesh, T = mesh_2d(2, 4), 16
+  cfg = jm.MoEConfig(E, K, H, T, dispatch_dtype=jnp.bfloat16)
+  x = rng.standard_normal((2 * T, H)).astype(jnp.bfloat16)
+  ids, w = routing(rng, 2 * T, "unused_slots")
+  n = np.array([T, 5], np.int32)
+  outs = {}
+  for by_sum in (False, True):
+    monkeypatch.setattr(communicator, "_gather_by_sum", lambda name, by_sum=by_sum: by_sum)
+    comm = jm.Communicator(cfg, mesh, ("dp", "tp"), backend=backend, replicated_over="tp")
+    assert (comm._group_sum is not None) == by_sum
+    outs[by_sum] = np.asarray(program(comm, "dp", ("dp", "tp"), split)(x, ids, w, n),
+                              np.float32)
+    comm.check()
+    comm.close()
+  np.testing.assert_array_equal(outs[True], outs[False])  # == also takes -0.0 for +0.0
+  assert np.abs(outs[True]).max() > 0
+
+
 def test_a_bad_group_num_tokens_is_recorded_with_its_value(backend, rng):
   mesh = mesh_2d(4, 2)
   T = 8
