@@ -43,6 +43,20 @@ _HINTS = {
 }
 
 
+def first_to_report(records):
+  """Of the error records (code, stage, rank, detail) of several ranks (None: no error), the
+  one check() raises: the lowest rank's, leaving out a TIMEOUT that waited on a rank which
+  recorded an error of its own (it is that error's consequence: the rank it waited on was
+  stuck too), unless nothing else is left. None when there is no error."""
+  records = [r for r in records if r is not None]
+  if not records:
+    return None
+  recorded = {r[2] for r in records}
+  causes = [r for r in records
+            if not (r[0] == ErrorCode.TIMEOUT and r[3] != r[2] and r[3] in recorded)]
+  return min(causes or records, key=lambda r: r[2])
+
+
 class CommError(RuntimeError):
   """A run-time failure recorded by a communicator (see ErrorCode)."""
 

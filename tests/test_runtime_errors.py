@@ -91,6 +91,23 @@ def test_bad_num_tokens_is_recorded(backend, bad_count, rng):
     expect_error(run.comm, 4, {DISPATCH_SEND}, rank=3, detail=bad_count)
 
 
+def test_the_reported_error_is_the_cause_not_a_wait_on_a_stuck_rank():
+    """check()'s rule (jax_moe.errors.first_to_report): lowest rank, but a TIMEOUT that waited
+    on a rank with an error of its own gives way to that error."""
+    T = int(jm.ErrorCode.TIMEOUT)
+    pick = jm.errors.first_to_report
+    assert pick([None, None]) is None
+    # rank 0 waited on rank 2, which waited on rank 5 (another process, dead): rank 2's
+    assert pick([(T, 4, 0, 2), None, (T, 4, 2, 5)]) == (T, 4, 2, 5)
+    # rank 0 waited on rank 5 itself: the lowest rank's, as before
+    assert pick([(T, 4, 0, 5), (T, 4, 2, 5)]) == (T, 4, 0, 5)
+    # other codes are causes: the lowest rank's
+    assert pick([(1, 1, 3, 99), (T, 2, 1, 3)]) == (1, 1, 3, 99)
+    assert pick([(4, 1, 1, -1), (1, 1, 3, 99)]) == (4, 1, 1, -1)
+    # waits on each other and nothing else: the lowest rank's
+    assert pick([(T, 2, 1, 0), (T, 2, 0, 1)]) == (T, 2, 0, 1)
+
+
 def test_pending_error_raises_at_the_next_trace(backend, rng):
     setup = Setup(backend, 2, "bf16", purpose="errors-next-trace")
     r = routing(rng, setup.geometry, "random")

@@ -73,7 +73,7 @@ class NativeBackend:
 
   # ---------------------------------------------------------------- lifecycle
   def check(self):
-    """The lowest local rank's first recorded error as (code, stage, rank, detail); clears all."""
+    """The local ranks' error to report (errors.first_to_report); clears them all."""
     return self._ranks.check()
 
   def close(self) -> None:

@@ -13,6 +13,8 @@ from typing import Callable
 
 import jax
 
+from jax_moe.errors import first_to_report
+
 _comm_ids = itertools.count(1)
 # How long a rank waits for its peers to publish their handles in the key-value store: process
 # start-up and device setup of the peers come first, so much longer than one exchange.
@@ -50,10 +52,9 @@ class RankStates:
     self._destroy = destroy
 
   def check(self):
-    """The first recorded error of the local ranks as (code, stage, rank, detail), cleared."""
-    errors = [self._take_error(self.comm_id, o) for o in self.ordinals]
-    errors = [e for e in errors if e is not None]
-    return min(errors, key=lambda e: e[2]) if errors else None
+    """The local ranks' error to report (errors.first_to_report) as (code, stage, rank,
+    detail); every rank's record is cleared."""
+    return first_to_report([self._take_error(self.comm_id, o) for o in self.ordinals])
 
   def close(self) -> None:
     while self.ordinals:

@@ -25,7 +25,7 @@ import numpy as np
 from jax_moe.config import MoEConfig
 from jax_moe.sharding import axis_size
 from jax_moe.types import Dispatched
-from jax_moe.errors import ErrorCode, Stage
+from jax_moe.errors import ErrorCode, Stage, first_to_report
 from jax_moe.quantization import quantize_fp8
 
 
@@ -69,7 +69,8 @@ def _first_error(candidates) -> jax.Array:
 
 class ErrorWord:
   """Host-side error records (code, stage, rank, detail): each rank's first error wins, and
-  take() returns the lowest rank's (the host and cuda backends' rule), clearing them all."""
+  take() returns the one errors.first_to_report picks (the host and cuda backends' rule),
+  clearing them all."""
 
   def __init__(self):
     self._lock = threading.Lock()
@@ -86,7 +87,7 @@ class ErrorWord:
   def take(self) -> tuple[int, int, int, int] | None:
     with self._lock:
       by_rank, self._by_rank = self._by_rank, {}
-    return by_rank[min(by_rank)] if by_rank else None
+    return first_to_report(by_rank.values())
 
 
 class XlaBackend:

@@ -171,6 +171,29 @@ def _comm_failure(e, mesh) -> str:
   return message
 
 
+def _root_cause(e, pool, mesh, wait_s: float):
+  """`e`, or the error it is a consequence of. A TIMEOUT on a rank of this process means that
+  rank was itself waiting, on a peer it will name when its own wait ends: checked mid-step
+  (the watch thread), that record may not exist yet, so wait up to wait_s + 1 s for it."""
+  import jax
+  import jax_moe as jm
+
+  devices = list(mesh.devices.flat)
+
+  def on_local_rank(err):
+    return (err.code == jm.ErrorCode.TIMEOUT and 0 <= err.detail < len(devices)
+            and devices[err.detail].process_index == jax.process_index())
+
+  deadline = time.monotonic() + wait_s + 1
+  while on_local_rank(e) and time.monotonic() < deadline:
+    time.sleep(0.1)
+    try:
+      pool.check()
+    except jm.CommError as later:
+      e = later
+  return e
+
+
 def _watch_peers(pool, mesh, interval_s: float = 0.5):
   """A thread that, while generation runs, checks the communicators and (across processes)
   the other processes' heartbeats every `interval_s`.
@@ -210,7 +233,7 @@ def _watch_peers(pool, mesh, interval_s: float = 0.5):
                            f"for {after_s:g} s (JAX_MOE_TIMEOUT_S); it died or is frozen"
                            for p in dead))
       except jm.CommError as e:
-        fail(_comm_failure(e, mesh))
+        fail(_comm_failure(_root_cause(e, pool, mesh, after_s), mesh))
       except Exception as e:  # noqa: BLE001 - the coordinator itself gone
         if not stop.is_set():
           fail(f"lost the job's coordinator: {type(e).__name__}: {e}")
