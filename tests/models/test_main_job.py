@@ -40,7 +40,7 @@ def test_generate_command_reports_a_bad_checkpoint(tmp_path):
 
 def test_bench_decode_checks_backends_and_writes_results(tmp_path):
   done = _run([str(REPO / "benchmarks" / "bench_decode.py"), "--models", "tiny-qwen3-moe",
-               "--batch", "8", "--prompt-len", "4", "--steps", "2", "--short-steps", "1",
+               "--batch", "8", "--prompt-len", "4", "--steps", "6", "--short-steps", "1",
                "--reps", "1", "--copy-mib", "16", "--out", str(tmp_path)], tmp_path)
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
   payload = json.loads((tmp_path / "decode_cpu-x8.json").read_text())
@@ -125,7 +125,7 @@ def test_bench_decode_jax_user_peer_and_the_ratios():
   from jax_moe.models import moe
 
   mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
-  args = bench_decode.parse_args(["--steps", "2", "--short-steps", "1", "--reps", "1",
+  args = bench_decode.parse_args(["--steps", "6", "--short-steps", "1", "--reps", "1",
                                   "--prompt-len", "3", "--prefill-calls", "2"])
   peer = bench_decode.time_jax_user_peer("tiny-qwen3-moe", mesh, args, 4, None)
   assert peer["status"] == "ok" and peer["family"] == "peer", peer
