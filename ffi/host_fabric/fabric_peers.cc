@@ -1,31 +1,19 @@
 #include "ffi/host_fabric/fabric_peers.h"
 
-#include <algorithm>
-#include <chrono>
-
+#include "ffi/transport/deadline.h"
 #include "ffi/transport/errors.h"
 
 namespace jax_moe::host {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using transport::deadline_after;
+using transport::seconds_left;
 
 // Tag of an immediate: the signal kind in bits 2..0, the call's sequence (mod 2^16) above.
 // Sequences of one kind never run more than one ahead of the peer (a sender waits for the
 // previous call's ack), so 16 bits tell calls apart.
 uint32_t tag_of(Signal signal, uint64_t seq) {
   return uint32_t((seq & 0xffff) << 3) | static_cast<uint32_t>(signal);
-}
-
-// Seconds left until `deadline`, never 0 (the engine reads 0 as "its default bound").
-double seconds_left(Clock::time_point deadline) {
-  const double left = std::chrono::duration<double>(deadline - Clock::now()).count();
-  return std::max(left, 1e-3);
-}
-
-Clock::time_point deadline_after(double seconds) {
-  return Clock::now() +
-         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
 }  // namespace

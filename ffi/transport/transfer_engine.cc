@@ -16,7 +16,6 @@
 namespace jax_moe::transport {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
 // The API version we ask for: 1.17 (Debian 12's libfabric), or the headers' own version when
 // the build sees older headers, since fi_getinfo refuses versions newer than the library.
@@ -38,11 +37,6 @@ constexpr size_t kCqBatch = 16;
 constexpr size_t kSignalBytes = 64;
 // The progress thread naps this long between empty polls while it is not needed.
 constexpr auto kIdleSleep = std::chrono::microseconds(50);
-
-Clock::time_point deadline_after(double seconds) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                            std::chrono::duration<double>(seconds));
-}
 
 std::string seconds_text(double s) {
   char buf[32];
@@ -506,9 +500,7 @@ void TransferEngine::barrier(int group_id, uint32_t tag, double timeout_s) {
     post_write(m, nullptr, 0, nullptr, m.signal.addr, m.signal.key, immediate, deadline, limit);
     counts.emplace_back(m.rank, 1);
   }
-  // what is left of the bound (never 0, which wait() reads as the engine's default)
-  const double left = std::chrono::duration<double>(deadline - Clock::now()).count();
-  wait(tag, counts, std::max(left, 1e-3), "barrier");
+  wait(tag, counts, seconds_left(deadline), "barrier");
 }
 
 // Waiters poll the completion queue themselves (concurrently with the progress thread, as

@@ -23,7 +23,6 @@
 #include <rdma/fi_endpoint.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -34,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "ffi/transport/deadline.h"
 #include "ffi/transport/wire.h"
 
 namespace jax_moe::transport {
@@ -142,7 +142,7 @@ class TransferEngine {
   // caller's start, for the error message).
   void post_write(const Member& member, void* local, uint64_t length, void* local_desc,
                   uint64_t remote_addr, uint64_t key, uint32_t immediate,
-                  std::chrono::steady_clock::time_point deadline, double limit_s);
+                  Clock::time_point deadline, double limit_s);
   void progress_loop();
   size_t poll_once();
   void read_error_entry();
