@@ -18,8 +18,6 @@ About 90 s on 2 cores (each job pays two jax starts and compiles).
 
 import json
 import os
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +25,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-from gpu.test_multiprocess import SHM, TCP, free_loopback_port, wait_all  # noqa: E402
+from gpu.test_multiprocess import SHM, TCP  # noqa: E402
 from support.hf_tiny import (deepseek_v3_config, first_near_tie, hf_greedy,  # noqa: E402
                              qwen3_moe_kwargs, save_tiny)
+from support.jobs import free_loopback_port, launch  # noqa: E402
 
 from jax_moe.backends import host_remote  # noqa: E402
 from jax_moe.models import tokenizer  # noqa: E402
@@ -53,32 +52,9 @@ def _env(devices: int, extra=()) -> dict:
 
 
 def _launch(folder: Path, argvs, env, timeout_s=JOB_TIMEOUT_S):
-  """Runs one worker per argv at once; [(exit code or None if killed at the limit, stdout,
-  stderr)], and the seconds each ran."""
-  import subprocess
-
-  folder.mkdir(parents=True, exist_ok=True)
-  processes, files = [], []
-  started = time.monotonic()
-  for i, argv in enumerate(argvs):
-    out, err = open(folder / f"stdout{i}.txt", "w"), open(folder / f"stderr{i}.txt", "w")
-    files += [out, err]
-    processes.append(subprocess.Popen([sys.executable, str(WORKER), *argv], cwd=folder, env=env,
-                                      stdout=out, stderr=err, stdin=subprocess.DEVNULL))
-  ended = {}
-  deadline = started + timeout_s
-  while len(ended) < len(processes) and time.monotonic() < deadline:
-    for i, p in enumerate(processes):
-      if i not in ended and p.poll() is not None:
-        ended[i] = time.monotonic() - started
-    time.sleep(0.05)
-  codes = wait_all(processes, 0.1)  # kills (by pid) any process still running
-  for f in files:
-    f.close()
-  results = [(code, (folder / f"stdout{i}.txt").read_text(errors="replace"),
-              (folder / f"stderr{i}.txt").read_text(errors="replace"))
-             for i, code in enumerate(codes)]
-  return results, [ended.get(i) for i in range(len(processes))]
+  """One cli_worker.py per argv at once: ([(exit code or None if killed at the limit, stdout,
+  stderr)], the seconds each ran)."""
+  return launch(WORKER, folder, argvs, env, timeout_s)
 
 
 def _report(results) -> str:

@@ -158,16 +158,24 @@ class _Printer:
       print(f"text {i}: {self.tok.decode(ids)}", flush=True)
 
 
-def _comm_failure(e, mesh) -> str:
-  """A CommError, with the process that holds the peer rank it names."""
+def _timeout_peer_process(e, mesh):
+  """The process holding the peer rank a TIMEOUT CommError names, else None."""
   import jax_moe as jm
 
+  devices = list(mesh.devices.flat)
+  if isinstance(e, jm.CommError) and e.code == jm.ErrorCode.TIMEOUT and \
+      0 <= e.detail < len(devices):
+    return devices[e.detail].process_index
+  return None
+
+
+def _comm_failure(e, mesh) -> str:
+  """A CommError, with the process that holds the peer rank it names."""
   message = f"{type(e).__name__}: {e}"
-  if isinstance(e, jm.CommError) and e.code == jm.ErrorCode.TIMEOUT:
-    devices = list(mesh.devices.flat)
-    if 0 <= e.detail < len(devices):
-      message += (f"; rank {e.detail} (process {devices[e.detail].process_index}) did not "
-                  f"answer within JAX_MOE_TIMEOUT_S: that process died or is stuck")
+  process = _timeout_peer_process(e, mesh)
+  if process is not None:
+    message += (f"; rank {e.detail} (process {process}) did not answer within "
+                f"JAX_MOE_TIMEOUT_S: that process died or is stuck")
   return message
 
 
@@ -178,14 +186,9 @@ def _root_cause(e, pool, mesh, wait_s: float):
   import jax
   import jax_moe as jm
 
-  devices = list(mesh.devices.flat)
-
-  def on_local_rank(err):
-    return (err.code == jm.ErrorCode.TIMEOUT and 0 <= err.detail < len(devices)
-            and devices[err.detail].process_index == jax.process_index())
-
   deadline = time.monotonic() + wait_s + 1
-  while on_local_rank(e) and time.monotonic() < deadline:
+  while (_timeout_peer_process(e, mesh) == jax.process_index()
+         and time.monotonic() < deadline):
     time.sleep(0.1)
     try:
       pool.check()

@@ -9,14 +9,14 @@ each process, every process has a hard time limit and is killed by pid past it.
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from gpu.test_multiprocess import SHM, cuda_device_count, free_loopback_port, wait_all
+from gpu.test_multiprocess import SHM, cuda_device_count
 from jax_moe.backends import host_remote
+from support.jobs import free_loopback_port, launch
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "cli_worker.py"
@@ -26,24 +26,10 @@ JOB_TIMEOUT_S = 240
 
 def _run(folder: Path, argvs, extra_env=()):
   """One `jax-moe <argv>` process per argv on GPU 0; [(exit code, stdout, stderr)]."""
-  import subprocess
-
-  folder.mkdir(parents=True, exist_ok=True)
   env = dict(os.environ, CUDA_VISIBLE_DEVICES="0", XLA_PYTHON_CLIENT_PREALLOCATE="false",
              PYTHONUNBUFFERED="1", JAX_MOE_TIMEOUT_S="30")
   env.update(extra_env)
-  processes, files = [], []
-  for i, argv in enumerate(argvs):
-    out, err = open(folder / f"stdout{i}.txt", "w"), open(folder / f"stderr{i}.txt", "w")
-    files += [out, err]
-    processes.append(subprocess.Popen([sys.executable, str(WORKER), *argv], cwd=REPO, env=env,
-                                      stdout=out, stderr=err, stdin=subprocess.DEVNULL))
-  codes = wait_all(processes, JOB_TIMEOUT_S)  # kills (by pid) any process past the limit
-  for f in files:
-    f.close()
-  return [(code, (folder / f"stdout{i}.txt").read_text(errors="replace"),
-           (folder / f"stderr{i}.txt").read_text(errors="replace"))
-          for i, code in enumerate(codes)]
+  return launch(WORKER, folder, argvs, env, JOB_TIMEOUT_S, cwd=REPO)[0]
 
 
 def _generate(folder, model, processes, extra_args=(), extra_env=()):

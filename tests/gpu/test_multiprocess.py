@@ -21,16 +21,15 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
 import pytest
 
 from jax_moe.backends import host_remote
+from support.jobs import free_loopback_port, wait_all
 
 WORKER = Path(__file__).with_name("mp_worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -138,12 +137,6 @@ def cuda_device_count():
         return 0
 
 
-def free_loopback_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_worker(job, process_id, port, folder):
     command = [sys.executable, str(job.worker), "--process-id", str(process_id),
                "--num-processes", str(job.num_processes), "--port", str(port),
@@ -157,22 +150,6 @@ def start_worker(job, process_id, port, folder):
             open(folder / f"stderr{process_id}.txt", "w") as err:
         return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=err,
                                 stdin=subprocess.DEVNULL)
-
-
-def wait_all(processes, timeout_s):
-    """Exit codes; processes still running at the deadline are killed and get None."""
-    deadline = time.monotonic() + timeout_s
-    codes = []
-    for p in processes:
-        try:
-            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0.1)))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-    for p, code in zip(processes, codes):
-        if code is None:
-            p.kill()
-            p.wait()
-    return codes
 
 
 def worker_errors(folder, process_id):

@@ -8,4 +8,5 @@ pyproject.toml; worker scripts put tests/ on sys.path themselves):
   checks             dispatch-layout and combine comparisons with their stated tolerances
   all_reduce_checks  the AllReduce tests' inputs and reference sums
   hf_tiny            tiny transformers Qwen3-MoE / DeepSeek-V3 checkpoints, logits, greedy
+  jobs               processes a test starts: a loopback port, bounded waits, a job of many
 """

@@ -1,0 +1,59 @@
+"""Processes a test starts: a free loopback port for their coordinator, a bounded wait that
+kills (by pid) whatever outlives it, and a job of one script per argument list."""
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_loopback_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_all(processes, timeout_s):
+    """Exit codes; processes still running at the deadline are killed and get None."""
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for p in processes:
+        try:
+            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    for p, code in zip(processes, codes):
+        if code is None:
+            p.kill()
+            p.wait()
+    return codes
+
+
+def launch(script: Path, folder: Path, argvs, env, timeout_s: float, cwd=None):
+    """Runs `python script *argv` for every argv at once (cwd: `folder` unless given), each
+    with its stdout and stderr in `folder`; returns [(exit code, or None if killed at the
+    limit, stdout, stderr)] and the seconds each ran (None if killed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    processes, files = [], []
+    started = time.monotonic()
+    for i, argv in enumerate(argvs):
+        out, err = open(folder / f"stdout{i}.txt", "w"), open(folder / f"stderr{i}.txt", "w")
+        files += [out, err]
+        processes.append(subprocess.Popen([sys.executable, str(script), *argv],
+                                                                            cwd=cwd or folder, env=env, stdout=out, stderr=err,
+                                                                            stdin=subprocess.DEVNULL))
+    ended = {}
+    deadline = started + timeout_s
+    while len(ended) < len(processes) and time.monotonic() < deadline:
+        for i, p in enumerate(processes):
+            if i not in ended and p.poll() is not None:
+                ended[i] = time.monotonic() - started
+        time.sleep(0.05)
+    codes = wait_all(processes, 0.1)
+    for f in files:
+        f.close()
+    results = [(code, (folder / f"stdout{i}.txt").read_text(errors="replace"),
+                            (folder / f"stderr{i}.txt").read_text(errors="replace"))
+                          for i, code in enumerate(codes)]
+    return results, [ended.get(i) for i in range(len(processes))]
