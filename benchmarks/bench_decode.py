@@ -240,12 +240,11 @@ def time_model(name, mesh, backend, args, batch, copy) -> dict:
   prefill_time, _ = time_per_iteration(lambda n: prefill_loop(state, ids, n), 1,
                                        args.prefill_calls, args.reps, args.budget_s)
   work = flops.prefill_flops(model, batch, args.prompt_len)
-  per_device = work["total"] / mesh.devices.size
+  per_s = work["total"] / mesh.devices.size / (prefill_time["median_us"] * 1e-6)  # a device's
   peak = flops.bf16_peak_flops(mesh.devices.flat[0].device_kind)
   prefill = {"time": prefill_time, "wall": summarize(prefill_wall_us), "flops": work,
-             "tflops_per_device": per_device / (prefill_time["median_us"] * 1e6),
-             "fraction_of_bf16_peak": (None if peak is None else
-                                       per_device / (prefill_time["median_us"] * 1e-6) / peak)}
+             "tflops_per_device": per_s / 1e12,
+             "fraction_of_bf16_peak": None if peak is None else per_s / peak}
   jax.block_until_ready(decode(state, token_b, cache, 1))  # compile
   timing, _ = time_per_iteration(lambda n: decode(state, token_b, cache, n), args.short_steps,
                                  args.steps, args.reps, args.budget_s)
