@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `jax_moe` importable
@@ -33,6 +31,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_moe as jm  # noqa: E402
+from benchmarks import stage_profile  # noqa: E402
 from benchmarks.methods import identity_expert  # noqa: E402
 from jax_moe.sharding import shard_map  # noqa: E402
 
@@ -95,28 +94,17 @@ def main():
     return jax.lax.fori_loop(0, a.iters, lambda i, v: step(v, ids, w), x)
 
   run = jax.jit(shard_map(loop, mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
-  run(x, ids, w).block_until_ready()
-  comm.check()
-  trace_dir = tempfile.mkdtemp(prefix="jax_moe_profile_")
-  with jax.profiler.trace(trace_dir):
-    run(x, ids, w).block_until_ready()
+  data = stage_profile.traced(lambda: run(x, ids, w))
   comm.check()
 
-  (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-  data = jax.profiler.ProfileData.from_file(path)
   table = {}
-  for plane in data.planes:
-    if not plane.name.startswith("/device:GPU:"):
-      continue
+  for plane in stage_profile.gpu_planes(data):
     kernels = collections.defaultdict(list)
     first, last = None, None
-    for line in plane.lines:
-      if "Stream" not in line.name and "stream" not in line.name:
-        continue
-      for ev in line.events:
-        kernels[ev.name].append(ev.duration_ns / 1e3)
-        first = ev.start_ns if first is None else min(first, ev.start_ns)
-        last = max(last or 0, ev.start_ns + ev.duration_ns)
+    for ev in stage_profile.stream_events(plane):
+      kernels[ev.name].append(ev.duration_ns / 1e3)
+      first = ev.start_ns if first is None else min(first, ev.start_ns)
+      last = max(last or 0, ev.start_ns + ev.duration_ns)
     if not kernels:
       print(f"{plane.name}: no stream lines among {[line.name for line in plane.lines]}")
       continue

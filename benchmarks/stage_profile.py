@@ -59,22 +59,41 @@ def instruction_stages(hlo_text: str) -> dict[str, str | None]:
   return out
 
 
+def traced(run):
+  """The jax.profiler ProfileData of one `run()`, after an untraced one (so nothing left
+  over from earlier work lands in the trace)."""
+  jax.block_until_ready(run())
+  folder = tempfile.mkdtemp(prefix="jax_moe_trace_")
+  with jax.profiler.trace(folder):
+    jax.block_until_ready(run())
+  (path,) = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+  return jax.profiler.ProfileData.from_file(path)
+
+
+def gpu_planes(data):
+  return [p for p in data.planes if p.name.startswith("/device:GPU:")]
+
+
+def stream_events(plane):
+  """The events of a GPU plane's stream lines: its kernels and copies."""
+  for line in plane.lines:
+    if "stream" in line.name.lower():
+      yield from line.events
+
+
 def _device_events(data, module: str):
   """[(device, instruction, duration ns)] of the events of `module`: GPU stream lines when
   the trace has GPU planes (a device per plane), else the CPU thunks (events with an hlo_op
   stat; their device_ordinal stat tells the devices apart)."""
-  gpu = [p for p in data.planes if p.name.startswith("/device:GPU:")]
+  gpu = gpu_planes(data)
   events = []
   for plane in gpu or [p for p in data.planes if p.name == "/host:CPU"]:
-    for line in plane.lines:
-      if gpu and "stream" not in line.name.lower():
+    for ev in (stream_events(plane) if gpu else (e for line in plane.lines for e in line.events)):
+      stats = dict(ev.stats)
+      op = stats.get("hlo_op")
+      if op is None or stats.get("hlo_module", module) != module:
         continue
-      for ev in line.events:
-        stats = dict(ev.stats)
-        op = stats.get("hlo_op")
-        if op is None or stats.get("hlo_module", module) != module:
-          continue
-        events.append(((plane.name, stats.get("device_ordinal")), op, ev.duration_ns))
+      events.append(((plane.name, stats.get("device_ordinal")), op, ev.duration_ns))
   return events
 
 
@@ -85,12 +104,7 @@ def profile_stages(run, compiled, steps: int) -> dict:
   text = compiled.as_text()
   module = re.search(r"^HloModule ([\w.\-]+)", text, re.M).group(1)
   by_name = instruction_stages(text)
-  jax.block_until_ready(run())  # nothing left over from earlier work in the trace
-  folder = tempfile.mkdtemp(prefix="jax_moe_stages_")
-  with jax.profiler.trace(folder):
-    jax.block_until_ready(run())
-  (path,) = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
-  events = _device_events(jax.profiler.ProfileData.from_file(path), module)
+  events = _device_events(traced(run), module)
   devices = max(1, len({device for device, _, _ in events}))
   totals = collections.Counter()
   unmatched = 0.0
