@@ -51,6 +51,22 @@ def sample(logits_bv, key, temperature: float, top_p: float):
   return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
 
 
+def decode_steps(model, token_b, cache, tokens_bn, feed, pick_at):
+  """Decode steps in a fori_loop on the device, one per column of tokens_bn [B, n]: step i
+  feeds feed(token_b, cache) (the last token, or what replaces it) and samples
+  pick_at(i, last-position logits [B, V], cache). Returns (tokens_bn filled, the last token,
+  the cache)."""
+  def step(i, carry):
+    token_b, cache, tokens_bn = carry
+    logits_bsv, cache = model(feed(token_b, cache)[:, None], cache=cache)
+    token_b = pick_at(i, logits_bsv[:, -1], cache)
+    return token_b, cache, tokens_bn.at[:, i].set(token_b)
+
+  token_b, cache, tokens_bn = jax.lax.fori_loop(0, tokens_bn.shape[1], step,
+                                                (token_b, cache, tokens_bn))
+  return tokens_bn, token_b, cache
+
+
 def _check_sampling(temperature, top_p):
   if not temperature >= 0.0:
     raise ValueError(f"generate: temperature must be >= 0, got {temperature}")
@@ -89,16 +105,10 @@ class Generator:
 
     def decode(state, token_b, cache, keys):
       """The other max_new_tokens - 1 tokens [B, N - 1], step i sampled with keys[i]."""
-      model = nnx.merge(graphdef, state)
-
-      def step(i, carry):
-        token_b, cache, tokens_bn = carry
-        logits_bsv, cache = model(token_b[:, None], cache=cache)
-        token_b = pick(logits_bsv[:, -1], keys[i])
-        return token_b, cache, tokens_bn.at[:, i].set(token_b)
-
-      tokens_bn = jnp.zeros((batch, max_new_tokens - 1), jnp.int32)
-      return jax.lax.fori_loop(0, max_new_tokens - 1, step, (token_b, cache, tokens_bn))[2]
+      return decode_steps(nnx.merge(graphdef, state), token_b, cache,
+                          jnp.zeros((batch, max_new_tokens - 1), jnp.int32),
+                          feed=lambda token_b, cache: token_b,
+                          pick_at=lambda i, logits_bv, cache: pick(logits_bv, keys[i]))[0]
 
     # Donating the cache lets XLA update it in place on GPUs; CPU meshes keep it undonated.
     platform = model.rules.mesh.devices.flat[0].platform
@@ -299,22 +309,19 @@ class PromptGenerator:
 
     def steps(state, token_b, cache, ids_bs, lengths_b, seed):
       """n_call decode steps: (their tokens [B, n_call], the last token, the cache)."""
-      model = nnx.merge(graphdef, state)
-
-      def step(i, carry):
-        token_b, cache, tokens_bn = carry
+      def feed(token_b, cache):  # the next prompt token while a sequence has one
         position = cache.index  # of the token fed now
         prompt_b = jax.lax.dynamic_index_in_dim(
             ids_bs, jnp.minimum(position, ids_bs.shape[1] - 1), axis=1, keepdims=False)
-        token_b = jnp.where(position < lengths_b, prompt_b, token_b)
-        logits_bsv, cache = model(token_b[:, None], cache=cache)
-        token_b = pick(logits_bsv[:, -1], jax.random.fold_in(jax.random.key(seed), cache.index))
-        return token_b, cache, tokens_bn.at[:, i].set(token_b)
+        return jnp.where(position < lengths_b, prompt_b, token_b)
+
+      def pick_at(i, logits_bv, cache):  # a position's key: the same whatever the call size
+        return pick(logits_bv, jax.random.fold_in(jax.random.key(seed), cache.index))
 
       tokens_bn = jax.lax.with_sharding_constraint(jnp.zeros((batch_, n_call), jnp.int32),
                                                    calls_bn)
-      token_b, cache, tokens_bn = jax.lax.fori_loop(0, n_call, step,
-                                                    (token_b, cache, tokens_bn))
+      tokens_bn, token_b, cache = decode_steps(nnx.merge(graphdef, state), token_b, cache,
+                                               tokens_bn, feed, pick_at)
       return jax.lax.with_sharding_constraint(tokens_bn, calls_bn), token_b, cache
 
     platform = mesh.devices.flat[0].platform
