@@ -30,7 +30,8 @@ enum TokenInput : int {
 // [C, H/bs] (fp8 only, else unused), weights f32 [C], group_sizes / tokens_per_expert int32
 // [L], slot_rows int32 [R, T, K] (row of slot (s, t, k) here; -1 when the slot is not on this
 // rank; -2 when it was dropped by capacity overflow). Pointers a launch's phases do not use
-// may be null.
+// may be null. At world 1 the fused op runs a kernel without the buffer (a permutation on
+// one GPU, same outputs bit for bit); the halves always go through the buffer.
 cudaError_t launch_dispatch(const CommView& view, int phases, TokenInput input, const void* x,
                             const float* x_scales, const int32_t* topk_ids,
                             const float* topk_weights, const int32_t* num_tokens,
@@ -42,7 +43,7 @@ cudaError_t launch_dispatch(const CommView& view, int phases, TokenInput input, 
 // Combine over NVLink, halves as for dispatch. Send half (expert rank): y bf16 [C, H];
 // slot_rows and row_weights ([C]) from dispatch; `done` int32 [1] (may be null) is a marker
 // output that orders a later receive half after it. Receive half (source rank): send_dest
-// int32 [T, K] from dispatch, topk_weights f32 [T, K]; out bf16 [T, H].
+// int32 [T, K] from dispatch, topk_weights f32 [T, K]; out bf16 [T, H]. World 1 as dispatch.
 cudaError_t launch_combine(const CommView& view, int phases, const void* y,
                            const int32_t* slot_rows, const float* row_weights, int32_t* done,
                            const int32_t* send_dest, const float* topk_weights, void* out,

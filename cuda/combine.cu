@@ -26,6 +26,66 @@ __device__ inline int hidden_parts(const MoeDims& d, int items) {
   return max(1, min(want, d.hidden / 8 / 32));
 }
 
+// The warp's vectors [begin, end) of sum over i < count of w_i * y[rows[i]], in i order from
+// +0 in f32 with both roundings explicit; store(c, acc) takes vector c's eight sums. `rows`
+// is a per-warp table in shared memory (rows[i] < 0: a zero row, whose w_i * 0 still enters
+// the sum, as the zero rows the source mode sends do); lane i (< count <= 32) holds w_i in
+// `weight`. Each lane sums kChunksPerLane vectors at once: up to kBatch * kChunksPerLane
+// loads in flight before the sums. The loop bound is the warp's, not the lane's: every lane
+// must reach the weight shuffle (a lane past `end` with a row of fewer than 32 vectors,
+// hidden 128, left it waiting for ever).
+template <typename Store>
+__device__ void sum_weighted_rows(const uint4* y, int chunks, const int32_t* rows, int count,
+                                  float weight, int begin, int end, Store store) {
+  const int lane = lane_id();
+  for (int base = begin; base < end; base += 32 * kChunksPerLane) {
+    const int c0 = base + lane;
+    float acc[kChunksPerLane][8];
+#pragma unroll
+    for (int j = 0; j < kChunksPerLane; ++j)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
+    for (int i0 = 0; i0 < count; i0 += kBatch) {
+      uint4 vals[kBatch][kChunksPerLane];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (i0 + u >= count) continue;
+        const int row = rows[i0 + u];
+#pragma unroll
+        for (int j = 0; j < kChunksPerLane; ++j)
+          if (c0 + 32 * j < end)
+            vals[u][j] = row >= 0 ? y[size_t(row) * chunks + c0 + 32 * j] : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const float w = __shfl_sync(kFullMask, weight, (i0 + u) & 31);
+        if (i0 + u >= count) continue;
+#pragma unroll
+        for (int j = 0; j < kChunksPerLane; ++j) {
+          if (c0 + 32 * j >= end) continue;
+          float f[8];
+          bf16x8_to_f32(vals[u][j], f);
+          accumulate_scaled(acc[j], w, f);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kChunksPerLane; ++j)
+      if (c0 + 32 * j < end) store(c0 + 32 * j, acc[j]);
+  }
+}
+
+// Vector c of a partial sum, in the partial dtype, into the row at `dst`.
+__device__ inline void store_partial(const MoeDims& d, char* dst, int c, const float acc[8]) {
+  if (d.partial_bf16) {
+    reinterpret_cast<uint4*>(dst)[c] = f32_to_bf16x8(acc);
+  } else {
+    float4* out = reinterpret_cast<float4*>(dst) + 2 * c;
+    out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+  }
+}
+
 // Source mode, one chunk: one warp per (source s, token t, slot k, part of hidden) held here:
 // y[row] to comb[t][k] on s (zeros for a slot dropped by capacity overflow, so it adds nothing
 // there).
@@ -77,63 +137,17 @@ __device__ void send_partials(const CommView& v, const NvlinkLayout& lay, uint64
     const int rows_here = __popc(with_row);
     // Lane i holds the weight of the i-th row: its load is in flight with the rows' loads
     // below (it is only needed by the sums, through a shuffle).
-    float weight = 0.f;
     if (row >= 0) {
       const int i = __popc(with_row & ((1u << lane) - 1));  // k order kept
       warp_rows[warp][i] = row;
     }
     __syncwarp();
-    if (lane < rows_here) weight = row_weights[warp_rows[warp][lane]];
+    const float weight = lane < rows_here ? row_weights[warp_rows[warp][lane]] : 0.f;
     char* dst = parity_region(block_peers[s], lay, seq) + lay.combine +
                 (size_t(me) * T + t) * d.hidden * pbytes;
     const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
-    // Each lane sums kChunksPerLane vectors at once: up to kBatch * kChunksPerLane loads in
-    // flight before the sums, which run in k order for every element. The loop bound is the
-    // warp's, not the lane's: every lane must reach the weight shuffle (a lane past `end` with
-    // a row of fewer than 32 vectors, hidden 128, left it waiting for ever).
-    for (int base = begin; base < end; base += 32 * kChunksPerLane) {
-      const int c0 = base + lane;
-      float acc[kChunksPerLane][8];
-#pragma unroll
-      for (int j = 0; j < kChunksPerLane; ++j)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
-      for (int i0 = 0; i0 < rows_here; i0 += kBatch) {
-        uint4 rows[kBatch][kChunksPerLane];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          if (i0 + u >= rows_here) continue;
-          const uint4* src = y + size_t(warp_rows[warp][i0 + u]) * chunks;
-#pragma unroll
-          for (int j = 0; j < kChunksPerLane; ++j)
-            if (c0 + 32 * j < end) rows[u][j] = src[c0 + 32 * j];
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const float w = __shfl_sync(kFullMask, weight, (i0 + u) & 31);
-          if (i0 + u >= rows_here) continue;
-#pragma unroll
-          for (int j = 0; j < kChunksPerLane; ++j) {
-            if (c0 + 32 * j >= end) continue;
-            float f[8];
-            bf16x8_to_f32(rows[u][j], f);
-            accumulate_scaled(acc[j], w, f);
-          }
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kChunksPerLane; ++j) {
-        const int c = c0 + 32 * j;
-        if (c >= end) continue;
-        if (d.partial_bf16) {
-          reinterpret_cast<uint4*>(dst)[c] = f32_to_bf16x8(acc[j]);
-        } else {
-          float4* out = reinterpret_cast<float4*>(dst) + 2 * c;
-          out[0] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-          out[1] = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
-        }
-      }
-    }
+    sum_weighted_rows(y, chunks, warp_rows[warp], rows_here, weight, begin, end,
+                      [&](int c, const float acc[8]) { store_partial(d, dst, c, acc); });
     __syncwarp();
   }
 }
@@ -226,6 +240,82 @@ __device__ void sum_chunk(const CommView& v, const char* region, const NvlinkLay
   }
 }
 
+// World 1: the fused combine without the buffer (as dispatch_local_kernel): each token's sum
+// straight from y, one warp per (token, part of hidden), in the order and roundings of the
+// buffer path. Expert mode: the one rank's partial (rows held here in k order, weights from
+// row_weights) in the partial dtype, then the source's sum over ranks, +0 + partial, when
+// send_dest names the rank. Source mode: the slots send_dest names in k order with their
+// topk_weights, a slot without a row here (dropped) as a zero row.
+__device__ void combine_local_chunk(const MoeDims& d, const uint4* y, const int32_t* slot_rows,
+                                    const float* row_weights, const int32_t* send_dest,
+                                    const float* topk_weights, uint4* out, int t0, int t1) {
+  const int K = d.topk, C = d.capacity, chunks = d.hidden / 8;
+  const int lane = lane_id(), warp = block_warp();
+  const unsigned lanes_before = (1u << lane) - 1;
+  const int tokens = t1 - t0;
+  const int parts = hidden_parts(d, tokens);
+  __shared__ int32_t warp_rows[kExchangeWarps][32];
+  for (int task = warp; task < tokens * parts; task += kExchangeWarps) {
+    const int t = t0 + task / parts, part = task % parts;
+    const bool sent = lane < K && send_dest[t * K + lane] == 0;
+    int row = lane < K ? slot_rows[t * K + lane] : -1;
+    if (row >= C || row < -1) row = -2;
+    const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
+    uint4* dst = out + size_t(t) * chunks;
+    float weight = 0.f;
+    int count;
+    if (d.reduce_expert) {
+      const unsigned with_row = __ballot_sync(kFullMask, row >= 0);
+      count = __popc(with_row);
+      if (row >= 0) warp_rows[warp][__popc(with_row & lanes_before)] = row;
+      __syncwarp();
+      if (lane < count) weight = row_weights[warp_rows[warp][lane]];
+      const bool summed = __ballot_sync(kFullMask, sent) != 0;
+      sum_weighted_rows(y, chunks, warp_rows[warp], count, weight, begin, end,
+                        [&](int c, const float acc[8]) {
+        float p[8];
+        if (d.partial_bf16) bf16x8_to_f32(f32_to_bf16x8(acc), p);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          p[i] = summed ? __fadd_rn(0.f, d.partial_bf16 ? p[i] : acc[i]) : 0.f;
+        dst[c] = f32_to_bf16x8(p);
+      });
+    } else {
+      const unsigned summed = __ballot_sync(kFullMask, sent);
+      count = __popc(summed);
+      const float w = sent ? topk_weights[t * K + lane] : 0.f;
+      const int i = __popc(summed & lanes_before);
+      if (sent) warp_rows[warp][i] = row;  // -1 / -2: a zero row
+      __syncwarp();
+      // Lane i takes the weight of the i-th summed slot.
+      weight = __shfl_sync(kFullMask, w, __fns(summed, 0, lane + 1) & 31);
+      sum_weighted_rows(y, chunks, warp_rows[warp], count, weight, begin, end,
+                        [&](int c, const float acc[8]) { dst[c] = f32_to_bf16x8(acc); });
+    }
+    __syncwarp();
+  }
+}
+
+__global__ void __launch_bounds__(kExchangeThreads, 1)
+combine_local_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
+                     const float* row_weights, int32_t* done, const int32_t* send_dest,
+                     const float* topk_weights, uint4* out) {
+  const MoeDims& d = v.dims;
+  const CallCounts calls = load_call_counts(v, kSeqCombineSend, kSeqCombineRecv);
+  if (!in_call_order(v, calls, kPhaseBoth, kStageCombineSend, kStageCombineRecv)) return;
+  clock_mark(v, kClockCombine, kMarkSendStart);
+  if (done && blockIdx.x == 0 && threadIdx.x == 0) *done = 0;
+  for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
+    const uint64_t seq = chunk_seq(v, kSeqCombineSend, c);
+    combine_local_chunk(d, y, slot_rows, row_weights, send_dest, topk_weights, out,
+                        chunk_begin(v, c), chunk_begin(v, c + 1));
+    __syncthreads();
+    finish_chunk(v, kSeqCombineSend, c, seq);
+    finish_chunk(v, kSeqCombineRecv, c, seq);
+  }
+  clock_mark(v, kClockCombine, kMarkRecvDone);
+}
+
 // Block b handles chunks b, b + grid, ... of each phase it runs (one instance per phase set).
 template <int kPhases>
 __global__ void __launch_bounds__(kExchangeThreads, 1)
@@ -272,9 +362,10 @@ cudaError_t launch_combine(const CommView& view, int phases, const void* y,
                            const int32_t* slot_rows, const float* row_weights, int32_t* done,
                            const int32_t* send_dest, const float* topk_weights, void* out,
                            cudaStream_t stream) {
-  auto kernel = phases == kPhaseSend   ? combine_kernel<kPhaseSend>
-                : phases == kPhaseRecv ? combine_kernel<kPhaseRecv>
-                                       : combine_kernel<kPhaseBoth>;
+  auto kernel = phases == kPhaseBoth && view.dims.world == 1 ? combine_local_kernel
+                : phases == kPhaseSend                       ? combine_kernel<kPhaseSend>
+                : phases == kPhaseRecv                       ? combine_kernel<kPhaseRecv>
+                                                             : combine_kernel<kPhaseBoth>;
   kernel<<<view.grid, kExchangeThreads, 0, stream>>>(
       view, static_cast<const uint4*>(y), slot_rows, row_weights, done, send_dest,
       topk_weights, static_cast<uint4*>(out));

@@ -47,11 +47,46 @@ __device__ inline TokenDests token_dests(const CommView& v, const NvlinkLayout& 
   return TokenDests{warp_slots[block_warp()], __popcll(dest_mask)};
 }
 
-// Calls store(slot) for every destination of the token.
-template <typename Store>
-__device__ inline void for_each_dest(const TokenDests& dests, Store store) {
-  for (int i = 0; i < dests.count; ++i) store(dests.slot[i]);
-}
+// Where the send writes one token's pieces: a sink takes 16-byte vectors (vector), 8-byte
+// groups of fp8 codes (codes, index in 8-byte units) and f32 scales (scale) of the row.
+// SlotSink writes the token's slot on every destination rank (codes, then the scales from
+// byte `scales_at`; the tokens region of cuda/nvlink_layout.cuh).
+struct SlotSink {
+  TokenDests dests;
+  size_t scales_at;
+  __device__ void vector(int c, uint4 value) const {
+    for (int i = 0; i < dests.count; ++i) reinterpret_cast<uint4*>(dests.slot[i])[c] = value;
+  }
+  __device__ void codes(int c, uint2 value) const {
+    for (int i = 0; i < dests.count; ++i) reinterpret_cast<uint2*>(dests.slot[i])[c] = value;
+  }
+  __device__ void scale(int b, float value) const {
+    for (int i = 0; i < dests.count; ++i)
+      reinterpret_cast<float*>(dests.slot[i] + scales_at)[b] = value;
+  }
+};
+
+// RowSink writes rows of the dispatched output directly (the world-1 kernel): x [C][H] (fp8
+// codes or bf16, `row_vectors` 16-byte vectors a row), scales [C][nb]; `rows` is a per-warp
+// table in shared memory of the `count` rows the token goes to.
+struct RowSink {
+  uint4* x;
+  float* scales;
+  const int32_t* rows;
+  int count;
+  int row_vectors;
+  int nb;
+  __device__ void vector(int c, uint4 value) const {
+    for (int i = 0; i < count; ++i) x[size_t(rows[i]) * row_vectors + c] = value;
+  }
+  __device__ void codes(int c, uint2 value) const {
+    for (int i = 0; i < count; ++i)
+      reinterpret_cast<uint2*>(x)[size_t(rows[i]) * row_vectors * 2 + c] = value;
+  }
+  __device__ void scale(int b, float value) const {
+    for (int i = 0; i < count; ++i) scales[size_t(rows[i]) * nb + b] = value;
+  }
+};
 
 constexpr int kRouteUnroll = 4;  // slots per lane loaded at once (one pass at 2048-slot parts)
 
@@ -182,18 +217,16 @@ __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t
 
 // Quantizes scale blocks [block_begin, block_end) of bf16 row `row` [H] (docs/semantics.md:
 // per block amax = max(max|x|, 1e-4), scale = amax * f32(1/448), q = e4m3fn(clip(x * (448 /
-// amax)))) and stores codes and scales into the token's slot on every destination in
-// `dests`. One warp; a scale block is covered by `lanes_per_block` lanes (CPL 16-byte vectors
+// amax)))) and hands codes and scales to `sink` (SlotSink, RowSink). One warp; a scale block is covered by `lanes_per_block` lanes (CPL 16-byte vectors
 // each) that reduce its amax with shuffles. A batch is kSteps * CPL vectors per lane; the
 // warp's `ring` in shared memory (kSendRingVectors per lane) holds kStages batches, loaded
 // with cp.async kStages - 1 batches ahead of the one being quantized (with one batch in
 // registers at a time the warp waited for memory on every batch). The amax is an integer max
 // over bf16 bits (abs_max_bits); a block with a finite amax takes the two-values-per-
 // instruction conversion, one with Inf or NaN the per-value formula.
-template <int CPL>
-__device__ void send_quantized(const CommView& v, const uint4* row, const TokenDests& dests,
+template <int CPL, typename Sink>
+__device__ void send_quantized(const MoeDims& d, const uint4* row, const Sink& sink,
                                int block_begin, int block_end, uint4* ring) {
-  const MoeDims& d = v.dims;
   constexpr int kSteps = CPL < 4 ? 4 / CPL : 1;
   constexpr int kVectors = kSteps * CPL;                  // per lane per batch
   constexpr int kStages = kSendRingVectors / kVectors;    // batches in the ring
@@ -257,34 +290,23 @@ __device__ void send_quantized(const CommView& v, const uint4* row, const TokenD
         bf16x8_to_f32(values[c], f);
         const uint2 codes = finite ? quantize8_e4m3_finite(f, multiplier)
                                    : quantize8_e4m3_nonfinite(f, multiplier);
-        const int chunk = b * chunks_per_block + sub + c * lanes_per_block;
-        for_each_dest(dests, [&](char* slot) { reinterpret_cast<uint2*>(slot)[chunk] = codes; });
+        sink.codes(b * chunks_per_block + sub + c * lanes_per_block, codes);
       }
-      if (sub == 0) {
-        for_each_dest(dests, [&](char* slot) {
-          reinterpret_cast<float*>(slot + d.hidden)[b] = scale;
-        });
-      }
+      if (sub == 0) sink.scale(b, scale);
     }
   }
   copy_async_wait<0>();  // the ring is free for the warp's next task
 }
 
-// Copies 16-byte vectors [chunk_begin, chunk_end) of `row`, and floats [scale_begin,
-// scale_end) of `scales` (stored from byte scales_at of the slot on), into the token's slot on
-// every destination. One warp.
+// Hands 16-byte vectors [chunk_begin, chunk_end) of `row`, and floats [scale_begin,
+// scale_end) of `scales`, to `sink` as they are. One warp.
+template <typename Sink>
 __device__ void send_as_is(const uint4* row, int chunk_begin, int chunk_end,
                            const float* scales, int scale_begin, int scale_end,
-                           size_t scales_at, const TokenDests& dests) {
-  warp_copy(chunk_begin, chunk_end, [&](int c) { return row[c]; }, [&](int c, uint4 value) {
-    for_each_dest(dests, [&](char* slot) { reinterpret_cast<uint4*>(slot)[c] = value; });
-  });
-  for (int b = scale_begin + lane_id(); b < scale_end; b += 32) {
-    const float value = scales[b];
-    for_each_dest(dests, [&](char* slot) {
-      reinterpret_cast<float*>(slot + scales_at)[b] = value;
-    });
-  }
+                           const Sink& sink) {
+  warp_copy(chunk_begin, chunk_end, [&](int c) { return row[c]; },
+            [&](int c, uint4 value) { sink.vector(c, value); });
+  for (int b = scale_begin + lane_id(); b < scale_end; b += 32) sink.scale(b, scales[b]);
 }
 
 // Pieces a token row is cut into along hidden so a chunk of `tokens` tokens keeps every warp
@@ -297,14 +319,49 @@ __device__ inline int row_parts(const MoeDims& d, TokenInput input, int tokens) 
   return max(1, min(want, most));
 }
 
+// Part `part` of `parts` (row_parts) of token t's row to `sink`, in the form `input` asks for:
+// quantized on the way (`ring`: this warp's kSendRingVectors * 32 vectors of shared memory),
+// or fp8 / bf16 as given. One warp.
+template <typename Sink>
+__device__ void send_token_part(const MoeDims& d, TokenInput input, const void* x,
+                                const float* x_scales, int t, int part, int parts,
+                                const Sink& sink, uint4* ring) {
+  const int H = d.hidden, nb = H / d.block_size;
+  const int b_begin = part_begin(nb, part, parts), b_end = part_begin(nb, part + 1, parts);
+  if (input == kInputBf16Quantize) {
+    const uint4* row = static_cast<const uint4*>(x) + size_t(t) * (H / 8);
+    switch (d.block_size / 8 / min(d.block_size / 8, 32)) {  // vectors per lane per block
+      case 1: send_quantized<1>(d, row, sink, b_begin, b_end, ring); break;
+      case 2: send_quantized<2>(d, row, sink, b_begin, b_end, ring); break;
+      case 4: send_quantized<4>(d, row, sink, b_begin, b_end, ring); break;
+      default: send_quantized<8>(d, row, sink, b_begin, b_end, ring); break;
+    }
+  } else if (input == kInputFp8) {
+    // A part covers whole scale blocks, codes and scales (parts > 1 only when a block is a
+    // whole number of 16-byte vectors).
+    const int per_block = d.block_size / 16;
+    send_as_is(static_cast<const uint4*>(x) + size_t(t) * (H / 16),
+               parts == 1 ? 0 : b_begin * per_block, parts == 1 ? H / 16 : b_end * per_block,
+               x_scales + size_t(t) * nb, b_begin, b_end, sink);
+  } else {
+    send_as_is(static_cast<const uint4*>(x) + size_t(t) * (H / 8),
+               part_begin(H / 8, part, parts), part_begin(H / 8, part + 1, parts), nullptr, 0,
+               0, sink);
+  }
+}
+
+// This warp's part of the block's send ring (dynamic shared memory from byte 0).
+__device__ inline uint4* warp_ring(int32_t* smem) {
+  return reinterpret_cast<uint4*>(smem) + block_warp() * kSendRingVectors * 32;
+}
+
 // Send phase of one chunk: the rows of tokens [t0, t1) (those < ntok), one warp per (token,
 // part of its row).
 __device__ void send_chunk(const CommView& v, const NvlinkLayout& lay, uint64_t seq,
                            TokenInput input, const void* x, const float* x_scales,
                            const int32_t* topk_ids, int t0, int t1, int32_t* smem) {
   const MoeDims& d = v.dims;
-  const int K = d.topk, H = d.hidden, lane = lane_id();
-  const int nb = H / d.block_size;
+  const int K = d.topk, lane = lane_id();
   const int tokens = max(0, t1 - t0);
   const int parts = row_parts(d, input, tokens);
   for (int task = block_warp(); task < tokens * parts; task += kExchangeWarps) {
@@ -320,29 +377,8 @@ __device__ void send_chunk(const CommView& v, const NvlinkLayout& lay, uint64_t 
       if (dk >= 0) dest_mask |= 1ull << dk;
     }
     if (!dest_mask) continue;
-    const TokenDests dests = token_dests(v, lay, seq, dest_mask, t);
-    const int b_begin = part_begin(nb, part, parts), b_end = part_begin(nb, part + 1, parts);
-    if (input == kInputBf16Quantize) {
-      const uint4* row = static_cast<const uint4*>(x) + size_t(t) * (H / 8);
-      uint4* ring = reinterpret_cast<uint4*>(smem) + block_warp() * kSendRingVectors * 32;
-      switch (d.block_size / 8 / min(d.block_size / 8, 32)) {  // vectors per lane per block
-        case 1: send_quantized<1>(v, row, dests, b_begin, b_end, ring); break;
-        case 2: send_quantized<2>(v, row, dests, b_begin, b_end, ring); break;
-        case 4: send_quantized<4>(v, row, dests, b_begin, b_end, ring); break;
-        default: send_quantized<8>(v, row, dests, b_begin, b_end, ring); break;
-      }
-    } else if (input == kInputFp8) {
-      // A part covers whole scale blocks, codes and scales (parts > 1 only when a block is a
-      // whole number of 16-byte vectors).
-      const int per_block = d.block_size / 16;
-      send_as_is(static_cast<const uint4*>(x) + size_t(t) * (H / 16),
-                 parts == 1 ? 0 : b_begin * per_block, parts == 1 ? H / 16 : b_end * per_block,
-                 x_scales + size_t(t) * nb, b_begin, b_end, H, dests);
-    } else {
-      send_as_is(static_cast<const uint4*>(x) + size_t(t) * (H / 8),
-                 part_begin(H / 8, part, parts), part_begin(H / 8, part + 1, parts), nullptr, 0,
-                 0, 0, dests);
-    }
+    const SlotSink sink{token_dests(v, lay, seq, dest_mask, t), size_t(d.hidden)};
+    send_token_part(d, input, x, x_scales, t, part, parts, sink, warp_ring(smem));
   }
 }
 
@@ -357,9 +393,7 @@ struct Segments {
   int total;            // sum(group_sizes)
 };
 
-__device__ Segments build_segments(const CommView& v, const char* region,
-                                   const NvlinkLayout& lay, int32_t* smem) {
-  const MoeDims& d = v.dims;
+__device__ Segments segments_at(const MoeDims& d, int32_t* smem) {
   const int R = d.world, L = d.local_experts;
   Segments g;
   g.first_row = smem;
@@ -367,13 +401,14 @@ __device__ Segments build_segments(const CommView& v, const char* region,
   g.tokens = g.start + L;
   g.size = g.tokens + L;
   g.ntok = g.size + L;
+  return g;
+}
+
+// With every source's row counts in g.first_row ([s][e]) and its tokens in g.ntok (the block
+// synced after writing them): sizes, starts and each (source, expert)'s first row.
+__device__ void finish_segments(const MoeDims& d, Segments& g) {
+  const int R = d.world, L = d.local_experts;
   __shared__ int32_t total_rows;
-  const int32_t* counts = reinterpret_cast<const int32_t*>(region + lay.counts);
-  const int32_t* ntok = reinterpret_cast<const int32_t*>(region + lay.num_tokens);
-  for (int i = threadIdx.x; i < R * L; i += blockDim.x) g.first_row[i] = __ldcg(counts + i);
-  for (int s = threadIdx.x; s < R; s += blockDim.x)
-    g.ntok[s] = min(max(__ldcg(ntok + s), 0), d.max_tokens);
-  __syncthreads();
   for (int e = threadIdx.x; e < L; e += blockDim.x) {
     int sum = 0;
     for (int s = 0; s < R; ++s) sum += g.first_row[s * L + e];
@@ -409,6 +444,20 @@ __device__ Segments build_segments(const CommView& v, const char* region,
   }
   __syncthreads();
   g.total = total_rows;
+}
+
+__device__ Segments build_segments(const CommView& v, const char* region,
+                                   const NvlinkLayout& lay, int32_t* smem) {
+  const MoeDims& d = v.dims;
+  Segments g = segments_at(d, smem);
+  const int32_t* counts = reinterpret_cast<const int32_t*>(region + lay.counts);
+  const int32_t* ntok = reinterpret_cast<const int32_t*>(region + lay.num_tokens);
+  for (int i = threadIdx.x; i < d.world * d.local_experts; i += blockDim.x)
+    g.first_row[i] = __ldcg(counts + i);
+  for (int s = threadIdx.x; s < d.world; s += blockDim.x)
+    g.ntok[s] = min(max(__ldcg(ntok + s), 0), d.max_tokens);
+  __syncthreads();
+  finish_segments(d, g);
   return g;
 }
 
@@ -501,6 +550,182 @@ __device__ void place_chunk(const CommView& v, const NvlinkLayout& lay, const ch
   }
 }
 
+// World 1. With one rank the exchange is a permutation on one GPU: no peer needs the routes
+// or the rows, so the fused op skips the buffer and its flags. Every block computes the
+// segments itself from all T * K ids (read from L2 by every block: 4 KiB at decode, 128 KiB
+// at prefill), ranks the slots of its own chunks and writes their rows straight from x;
+// no block waits for another. The halves keep the buffer protocol (their two launches must
+// hand the rows over through it).
+
+// Dynamic shared memory of the world-1 kernel, from byte 0: the send ring (kSendRingBytes),
+// the segments (place_smem_bytes), running[E] (slots of each expert before the block's
+// current position), then the rows of the chunk being placed ([kLocalChunkSlots]; a larger
+// chunk reads them back from slot_rows).
+constexpr int kLocalChunkSlots = 1024;
+
+size_t local_dispatch_smem_bytes(const MoeDims& d) {
+  return kSendRingBytes + place_smem_bytes(d) + 4 * (size_t(d.num_experts) + kLocalChunkSlots);
+}
+
+// Counts slots j in [from, to) (only those < n hold a token) per expert: every one into
+// `total` (unless null), those before `split` into `before`. All threads; ids past the
+// range are not read. Invalid ids count nowhere (rank_local_chunk records them).
+__device__ void count_slots(const MoeDims& d, const int32_t* ids, int from, int to, int n,
+                            int split, int32_t* total, int32_t* before) {
+  const int E = d.num_experts;
+  to = min(to, n);
+  auto count = [&](int j, int id) {
+    if (id < 0 || id >= E) return;
+    if (total) atomicAdd(total + id, 1);
+    if (j < split) atomicAdd(before + id, 1);
+  };
+  // Four ids a load, four loads in flight per thread, where the buffer is 16-byte aligned.
+  int head = to;
+  if ((reinterpret_cast<uintptr_t>(ids) & 15) == 0) head = min(to, (from + 3) & ~3);
+  for (int j = from + threadIdx.x; j < head; j += blockDim.x) count(j, ids[j]);
+  const int quads = head < to ? (to - head) / 4 : 0;
+  const int4* q = reinterpret_cast<const int4*>(ids + head);
+  constexpr int kLoads = 4;
+  for (int i0 = threadIdx.x; i0 < quads; i0 += kLoads * blockDim.x) {
+    int4 w[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u)
+      if (i0 + u * blockDim.x < quads) w[u] = q[i0 + u * blockDim.x];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i >= quads) continue;
+      const int j = head + 4 * i;
+      count(j, w[u].x);
+      count(j + 1, w[u].y);
+      count(j + 2, w[u].z);
+      count(j + 3, w[u].w);
+    }
+  }
+  for (int j = head + 4 * quads + threadIdx.x; j < to; j += blockDim.x) count(j, ids[j]);
+}
+
+// Warp 0 gives the slots [t0 * K, t1 * K) their rows in (t, k) order: slot j of expert e is
+// row first_row[e] + running[e] (running moves on), -2 past capacity, -1 for no token or an
+// invalid id (recorded); it writes slot_rows, send_dest and the rows' weights, and the rows
+// into `chunk_rows` (shared memory) when the chunk fits.
+__device__ void rank_local_chunk(const CommView& v, const Segments& g, int32_t* running,
+                                 const int32_t* ids, const float* topk_weights, int n, int t0,
+                                 int t1, int32_t* send_dest, float* weights_out,
+                                 int32_t* slot_rows, int32_t* chunk_rows) {
+  if (block_warp() != 0) return;
+  const MoeDims& d = v.dims;
+  const int K = d.topk, E = d.num_experts, lane = lane_id();
+  const int begin = t0 * K, end = t1 * K;
+  const bool cached = end - begin <= kLocalChunkSlots;
+  const unsigned lanes_before = (1u << lane) - 1;
+  for (int j0 = begin; j0 < end; j0 += 32) {
+    const int j = j0 + lane;
+    int id = j < end && j < n ? ids[j] : -1;
+    if (id < -1 || id >= E) {
+      record_error(v, kInvalidExpertId, kStageDispatchSend, id);
+      id = -1;
+    }
+    const unsigned same = __match_any_sync(kFullMask, id);
+    const int before = __popc(same & lanes_before);
+    const int rank = id >= 0 ? running[id] + before : 0;
+    __syncwarp();
+    if (id >= 0 && before == 0) running[id] += __popc(same);
+    __syncwarp();
+    if (j >= end) continue;
+    int row = -1;
+    if (id >= 0) {
+      row = g.first_row[id] + rank;
+      if (row >= d.capacity) row = -2;  // dropped: capacity overflow
+    }
+    slot_rows[j] = row;
+    send_dest[j] = id >= 0 ? 0 : -1;
+    if (row >= 0) weights_out[row] = topk_weights[j];
+    if (cached) chunk_rows[j - begin] = row;
+  }
+}
+
+// Every token t in [t0, t1) with a row goes to its rows, one warp per (token, part of its
+// row); `rows` holds the chunk's slot rows from slot t0 * K on.
+__device__ void place_local_chunk(const MoeDims& d, TokenInput input, const void* x,
+                                  const float* x_scales, const int32_t* rows, int t0, int t1,
+                                  void* x_out, float* scales_out, int32_t* smem) {
+  const int K = d.topk, lane = lane_id(), warp = block_warp();
+  __shared__ int32_t warp_rows[kExchangeWarps][32];
+  const int tokens = max(0, t1 - t0);
+  const int parts = row_parts(d, input, tokens);
+  const int row_vectors = d.fp8 ? d.hidden / 16 : d.hidden / 8;
+  for (int task = warp; task < tokens * parts; task += kExchangeWarps) {
+    const int t = t0 + task / parts, part = task % parts;
+    const int row = lane < K ? rows[(t - t0) * K + lane] : -1;
+    const unsigned placed = __ballot_sync(kFullMask, row >= 0);
+    if (!placed) continue;
+    if (row >= 0) warp_rows[warp][__popc(placed & ((1u << lane) - 1))] = row;
+    __syncwarp();
+    const RowSink sink{static_cast<uint4*>(x_out), scales_out, warp_rows[warp],
+                       __popc(placed), row_vectors, scale_blocks(d)};
+    send_token_part(d, input, x, x_scales, t, part, parts, sink, warp_ring(smem));
+    __syncwarp();
+  }
+}
+
+// The fused dispatch at world 1 (outputs as dispatch_kernel's). Block b handles chunks b, b +
+// grid, ...; the counters still move as the fused op's, so halves may follow.
+__global__ void __launch_bounds__(kExchangeThreads, 1)
+dispatch_local_kernel(CommView v, TokenInput input, const void* x, const float* x_scales,
+                      const int32_t* topk_ids, const float* topk_weights,
+                      const int32_t* num_tokens, int32_t* send_dest, void* x_out,
+                      float* scales_out, float* weights_out, int32_t* group_sizes,
+                      int32_t* tokens_per_expert, int32_t* slot_rows) {
+  const MoeDims& d = v.dims;
+  const int K = d.topk, E = d.num_experts;
+  extern __shared__ __align__(16) int32_t smem[];  // local_dispatch_smem_bytes(d)
+  Segments g = segments_at(d, smem + kSendRingBytes / 4);
+  int32_t* running = g.ntok + 1;
+  int32_t* chunk_rows = running + E;
+  clock_mark(v, kClockDispatch, kMarkSendStart);
+  const CallCounts calls = load_call_counts(v, kSeqDispatchSend, kSeqDispatchRecv);
+  const int given = *num_tokens;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) g.first_row[e] = running[e] = 0;
+  __syncthreads();
+  const int ntok = min(max(given, 0), d.max_tokens), n = ntok * K;
+  // The counts into g.first_row (a source's row counts, as finish_segments takes them) and
+  // those before this block's first chunk into running.
+  const int first = chunk_begin(v, blockIdx.x) * K;
+  count_slots(d, topk_ids, 0, d.max_tokens * K, n, first, g.first_row, running);
+  if (threadIdx.x == 0) g.ntok[0] = ntok;
+  __syncthreads();
+  // Nothing is written before the order check, so a refused launch leaves no trace but its
+  // error.
+  if (!in_call_order(v, calls, kPhaseBoth, kStageDispatchSend, kStageDispatchRecv)) return;
+  if (blockIdx.x == 0 && threadIdx.x == 0 && given != ntok)
+    record_error(v, kBadNumTokens, kStageDispatchSend, given);
+  clock_mark(v, kClockDispatch, kMarkCountsSeen);
+  finish_segments(d, g);
+  write_segments(v, g, x_out, scales_out, weights_out, group_sizes, tokens_per_expert);
+  clock_mark(v, kClockDispatch, kMarkSegments);
+  int counted = first;  // slots [0, counted) are in running
+  for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
+    const uint64_t seq = chunk_seq(v, kSeqDispatchSend, c);
+    const int t0 = chunk_begin(v, c), t1 = chunk_begin(v, c + 1);
+    if (counted < t0 * K) {  // a later chunk of this block: the slots in between
+      count_slots(d, topk_ids, counted, t0 * K, n, t0 * K, nullptr, running);
+      __syncthreads();
+    }
+    rank_local_chunk(v, g, running, topk_ids, topk_weights, n, t0, t1, send_dest, weights_out,
+                     slot_rows, chunk_rows);
+    counted = t1 * K;
+    __syncthreads();
+    const bool cached = (t1 - t0) * K <= kLocalChunkSlots;
+    place_local_chunk(d, input, x, x_scales, cached ? chunk_rows : slot_rows + t0 * K, t0,
+                      min(t1, ntok), x_out, scales_out, smem);
+    __syncthreads();
+    finish_chunk(v, kSeqDispatchSend, c, seq);
+    finish_chunk(v, kSeqDispatchRecv, c, seq);
+  }
+  clock_mark(v, kClockDispatch, kMarkRecvDone);
+}
+
 // Block b handles chunks b, b + grid, ... of each phase it runs. One instance per phase set,
 // so a profile names the halves apart and each carries only its own code.
 template <int kPhases>
@@ -581,10 +806,12 @@ cudaError_t launch_dispatch(const CommView& view, int phases, TokenInput input, 
                             float* weights_out, int32_t* group_sizes,
                             int32_t* tokens_per_expert, int32_t* slot_rows,
                             cudaStream_t stream) {
-  auto kernel = phases == kPhaseSend   ? dispatch_kernel<kPhaseSend>
+  const bool local = phases == kPhaseBoth && view.dims.world == 1;
+  auto kernel = local                  ? dispatch_local_kernel
+                : phases == kPhaseSend ? dispatch_kernel<kPhaseSend>
                 : phases == kPhaseRecv ? dispatch_kernel<kPhaseRecv>
                                        : dispatch_kernel<kPhaseBoth>;
-  const size_t smem = dispatch_smem_bytes(view.dims);
+  const size_t smem = local ? local_dispatch_smem_bytes(view.dims) : dispatch_smem_bytes(view.dims);
   // Above 48 KiB a kernel must opt in (per device; cheap, and allowed during graph capture).
   const cudaError_t opt_in =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));

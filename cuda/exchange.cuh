@@ -40,24 +40,41 @@ __device__ inline uint64_t chunk_seq(const CommView& v, ChunkCounter counter, in
   return v.chunk_seq[size_t(counter) * v.chunks + c] + 1;
 }
 
-// The start of every dispatch/combine launch: this block's copy of the peer table, and whether
-// the launch's halves come in the order the protocol needs (docs/semantics.md, CALL_ORDER): a
-// send when every earlier send was received, a receive alone when exactly one send is pending
-// (judged on this block's first chunk; every block's counters move together). The counters
-// load before the peer table so the two round trips overlap. Out of order, it records
-// CALL_ORDER (detail: sends not yet received; stage: `send_stage` or `recv_stage`) and the
-// launch does nothing.
-__device__ inline bool begin_launch(const CommView& v, ChunkCounter send, ChunkCounter recv,
-                                    int phases, int32_t send_stage, int32_t recv_stage) {
-  const uint64_t sent = v.chunk_seq[size_t(send) * v.chunks + blockIdx.x];
-  const uint64_t received = v.chunk_seq[size_t(recv) * v.chunks + blockIdx.x];
-  load_peers(v);
+// Where this block's first chunk stands in a phase pair (sends and receives so far).
+struct CallCounts {
+  uint64_t sent;
+  uint64_t received;
+};
+
+__device__ inline CallCounts load_call_counts(const CommView& v, ChunkCounter send,
+                                              ChunkCounter recv) {
+  return CallCounts{v.chunk_seq[size_t(send) * v.chunks + blockIdx.x],
+                    v.chunk_seq[size_t(recv) * v.chunks + blockIdx.x]};
+}
+
+// Whether the launch's halves come in the order the protocol needs (docs/semantics.md,
+// CALL_ORDER): a send when every earlier send was received, a receive alone when exactly one
+// send is pending (judged on this block's first chunk; every block's counters move together).
+// Out of order, it records CALL_ORDER (detail: sends not yet received; stage: `send_stage` or
+// `recv_stage`) and the launch must do nothing.
+__device__ inline bool in_call_order(const CommView& v, CallCounts n, int phases,
+                                     int32_t send_stage, int32_t recv_stage) {
   const bool is_send = phases & kPhaseSend;
-  const bool in_order = is_send ? sent == received : sent == received + 1;
+  const bool in_order = is_send ? n.sent == n.received : n.sent == n.received + 1;
   if (!in_order && threadIdx.x == 0)
     record_error(v, kCallOrder, is_send ? send_stage : recv_stage,
-                 static_cast<int32_t>(sent - received));
+                 static_cast<int32_t>(n.sent - n.received));
   return in_order;
+}
+
+// The start of every launch that exchanges with peers: this block's copy of the peer table,
+// and the call-order check. The counters load before the peer table so the two round trips
+// overlap.
+__device__ inline bool begin_launch(const CommView& v, ChunkCounter send, ChunkCounter recv,
+                                    int phases, int32_t send_stage, int32_t recv_stage) {
+  const CallCounts n = load_call_counts(v, send, recv);
+  load_peers(v);
+  return in_call_order(v, n, phases, send_stage, recv_stage);
 }
 
 // Records that this block finished chunk c of `counter`'s phase (call once per chunk, by one

@@ -111,6 +111,10 @@ def test_repeated_runs_are_bit_identical(backend, setup_args, rng):
 
 
 @pytest.mark.parametrize("setup_args", (
+    # world 1: the cuda backend's fused ops skip the buffer the halves go through
+    dict(axis_size=1, dispatch="fp8", expert_padding=16),
+    dict(axis_size=1, dispatch="bf16", combine_reduce="expert", partial_dtype="bfloat16"),
+    dict(axis_size=1, dispatch="fp8-prequantized", combine_reduce="expert"),
     dict(axis_size=2, dispatch="fp8", expert_padding=16),
     dict(axis_size=4, dispatch="bf16", combine_reduce="expert", partial_dtype="bfloat16"),
     dict(axis_size=8, dispatch="fp8-prequantized", combine_reduce="expert"),

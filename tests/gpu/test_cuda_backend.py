@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 import jax_moe as jm
 from support import reference as ref
 from jax_moe.backends.cuda_proxy import ProxyRanks
-from support.checks import assert_combine_within, assert_dispatch_matches, check_combine
+from support.checks import (assert_bitwise_equal, assert_combine_within, assert_dispatch_matches,
+                            check_combine)
 from support.meshes import make_mesh
 from support.moe_runner import AXIS, Runner, Setup, dequantize_rows, describe, make_inputs, runner
 from jax_moe.sharding import shard_map
@@ -141,9 +142,21 @@ def test_missing_peer_times_out_and_the_communicator_refuses_further_calls(path,
     comm.close()
 
 
-def test_stage_clocks_follow_each_block_through_its_stages(monkeypatch, rng):
-    """JAX_MOE_STAGE_CLOCKS=1: every block of the fused kernels reaches every stage of its
-    kernel, in order (cuda/stage_clock.cuh), and the dispatch's route block publishes."""
+# Marks each kernel writes, in order: the buffer protocol's (the halves at world 1, every
+# launch at R > 1) and the world-1 fused kernels' (no buffer, so no sends, flags or route).
+STAGE_ORDER = {
+    "halves": {"dispatch": ("send_start", "sent", "recv_start", "counts_seen", "segments",
+                            "data_seen", "recv_done"),
+               "combine": ("send_start", "sent", "recv_start", "data_seen", "recv_done")},
+    "fused": {"dispatch": ("send_start", "counts_seen", "segments", "recv_done"),
+              "combine": ("send_start", "recv_done")},
+}
+
+
+@pytest.mark.parametrize("op", ("halves", "fused"))
+def test_stage_clocks_follow_each_block_through_its_stages(op, monkeypatch, rng):
+    """JAX_MOE_STAGE_CLOCKS=1: every block of the kernels reaches every stage of its kernel,
+    in order (cuda/stage_clock.cuh), and the buffer dispatch's route block publishes."""
     monkeypatch.setenv("JAX_MOE_FORCE_REMOTE", "0")
     monkeypatch.setenv("JAX_MOE_STAGE_CLOCKS", "1")
     mesh = make_mesh(1)
@@ -155,20 +168,52 @@ def test_stage_clocks_follow_each_block_through_its_stages(monkeypatch, rng):
     weights = jnp.asarray(rng.random((64, 4)), jnp.float32)
 
     def step(x, ids, weights):
-        r = comm.dispatch(x, ids, weights)
+        if op == "halves":
+            r = comm.dispatch_recv(comm.dispatch_send(x, ids, weights))
+        else:
+            r = comm.dispatch(x, ids, weights)
         y = dequantize_rows(r.x, r.scales, cfg.block_size).astype(jnp.bfloat16)
+        if op == "halves":
+            return comm.combine_recv(comm.combine_send(y, r.handle))
         return comm.combine(y, r.handle)
 
     program = jax.jit(shard_map(step, mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
     jax.block_until_ready(program(x, ids, weights))
     comm.check()
     (clocks,) = comm.stage_clocks().values()
-    order = {"dispatch": ("send_start", "sent", "recv_start", "counts_seen", "segments",
-                          "data_seen", "recv_done"),
-             "combine": ("send_start", "sent", "recv_start", "data_seen", "recv_done")}
-    for kernel, marks in order.items():
+    for kernel, marks in STAGE_ORDER[op].items():
         at = np.stack([np.asarray(clocks[kernel][m], np.int64) for m in marks])
         assert (at > 0).all(), f"{kernel}: a block missed a stage"
         assert (np.diff(at, axis=0) >= 0).all(), f"{kernel}: stages out of order"
-    assert (np.asarray(clocks["dispatch"]["routed"]) > 0).sum() == 1  # one route part here
+    routed = (np.asarray(clocks["dispatch"]["routed"]) > 0).sum()
+    assert routed == (1 if op == "halves" else 0)  # one route part here; none without a buffer
     comm.close()
+
+
+@pytest.mark.parametrize("num_sms,max_tokens", ((1, 300), (5, 64), (300, 64)))
+@pytest.mark.parametrize("dispatch,combine_reduce", (("fp8", "expert"), ("bf16", "source"),
+                                                     ("fp8-prequantized", "source")))
+def test_world1_fused_kernels_equal_the_buffer_halves_for_any_chunking(
+        num_sms, max_tokens, dispatch, combine_reduce, rng):
+    """At world 1 the fused ops skip the buffer (cuda/dispatch.cu dispatch_local_kernel); the
+    halves keep it. Bit for bit the same outputs and the reference layout, with one chunk of
+    1200 slots (past the kernel's shared-memory table), a few chunks, and more chunks than
+    SMs (a block takes several)."""
+    args = dict(axis_size=1, dispatch=dispatch, combine_reduce=combine_reduce,
+                expert_padding=16, max_tokens=max_tokens, num_sms=num_sms)
+    fused, split = Setup("cuda", **args), Setup("cuda", split=True, **args)
+    for scenario in ("skewed", "partial_tokens", "unused_slots"):
+        inputs = make_inputs(fused, rng, routing(rng, fused.geometry, scenario))
+        expected = ref.dispatch_reference(fused.geometry, inputs.routing, inputs.rows,
+                                          inputs.row_scales)
+        poison_device_memory(fused)
+        got = inputs.run(runner(fused))
+        want = inputs.run(runner(split))
+        runner(fused).comm.check()
+        runner(split).comm.check()
+        assert_dispatch_matches(got.first, expected)
+        for name, value in want.first.items():
+            if value is not None:
+                assert_bitwise_equal(got.first[name], value, f"{scenario}: {name}")
+        assert_bitwise_equal(got.out_given, want.out_given, f"{scenario}: combine(random y)")
+        assert_bitwise_equal(got.out_scaled, want.out_scaled, f"{scenario}: combine(expert_fn(y))")

@@ -42,6 +42,7 @@ class Setup:
     split: bool = False  # dispatch_send/recv + combine_send/recv instead of the fused calls
     pass_num_tokens: bool = True
     purpose: str = "parity"  # distinct purposes get distinct communicators (error tests)
+    num_sms: int | None = None  # the cuda backend's chunks (MoEConfig.num_sms)
 
     @property
     def geometry(self):
@@ -59,7 +60,8 @@ class Setup:
             dispatch_dtype=jnp.float8_e4m3fn if self.fp8 else jnp.bfloat16,
             block_size=self.block_size, combine_dtype=jnp.bfloat16,
             combine_reduce=self.combine_reduce, partial_dtype=jnp.dtype(self.partial_dtype),
-            expert_padding=self.expert_padding, max_recv_tokens=self.max_recv_tokens)
+            expert_padding=self.expert_padding, max_recv_tokens=self.max_recv_tokens,
+            num_sms=self.num_sms)
 
 
 @dataclasses.dataclass
