@@ -119,7 +119,7 @@ for step in "${steps[@]}"; do
     models_mp) suite models_multiprocess 420 -s -rs tests/gpu/test_models_multiprocess.py ;;
     misuse)
       suite misuse_gpu 120 tests/test_misuse.py
-      timeout -s KILL 120 python3 benchmarks/soak.py --backends cuda,xla --seconds 60 \
+      timeout -s KILL 120 python3 benchmarks/soak.py --backends cuda,xla --seconds 60 --iterations 1000000 \
         --json "$logs/soak_cuda_xla.json" > "$logs/soak.log" 2>&1
       echo "soak cuda,xla: rc=$?"; tail -4 "$logs/soak.log" ;;
     allreduce)
