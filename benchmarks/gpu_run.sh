@@ -15,6 +15,8 @@
 #   ep1      on one GPU: bench_dispatch_combine.py --ep 1 (cuda and xla backends, the all_gather
 #            peer; expert mode with bf16 partials, source mode) and profile_kernels.py per
 #            kernel at decode and prefill (fp8, expert, bf16 partials); GIT_COMMIT names the code
+#   stages   on one GPU: profile_kernels.py --ep 1 --stages for the fused ops and the halves at
+#            decode and prefill (fp8, expert, bf16 partials): when each block reached each stage
 #   ep1_cmdbuf  the ep1 decode benchmark (expert mode, bf16 partials) with XLA command buffers
 #            forced on for fusions and custom calls: the launch gaps between a step's kernels
 #            are most of a decode step (docs/perf-notes.md); file suffix -cmdbuf
@@ -105,6 +107,16 @@ for step in "${steps[@]}"; do
             --json "$logs/profile_ep1_${tokens}_$op.json" > "$logs/profile_ep1_${tokens}_$op.log" 2>&1
           echo "profile ep1 $tokens tokens $op: rc=$?"
           grep -E "busy span|us x" "$logs/profile_ep1_${tokens}_$op.log" | head -7
+        done
+      done ;;
+    stages)
+      for tokens in 128 4096; do
+        for op in fused split; do
+          timeout -s KILL 90 python3 benchmarks/profile_kernels.py --ep 1 --tokens $tokens --stages \
+            --dispatch-dtype fp8 --reduce expert --partial-dtype bf16 $([ $op = split ] && echo --split) \
+            --json "$logs/stages_ep1_${tokens}_$op.json" > "$logs/stages_ep1_${tokens}_$op.log" 2>&1
+          echo "stages ep1 $tokens tokens $op: rc=$?"
+          grep -E "busy span|us x|^  [a-z_]+ +[0-9-]" "$logs/stages_ep1_${tokens}_$op.log" | head -24
         done
       done ;;
     ep1_cmdbuf)
