@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="sequences decoded together, comma-separated for several runs "
                       "(default: 16 per device)")
   p.add_argument("--copy-mib", type=int, default=None,
-                 help="MiB of the copy that measures the HBM bandwidth for the floors "
+                 help="MiB of the read (the floors' HBM bandwidth) and of the copy "
                       "(default 4096 on GPUs, none elsewhere; 0: skip)")
   p.add_argument("--prompt-len", type=int, default=32)
   p.add_argument("--wire", choices=("bf16", "fp8"), default="bf16",
@@ -223,7 +223,7 @@ def decode_program(model, batch, prompt_len, max_len):
   return state, prefill, prefill_loop, decode
 
 
-def time_model(name, mesh, backend, args, batch, copy) -> dict:
+def time_model(name, mesh, backend, args, batch, read) -> dict:
   model = _build(name, mesh, backend, jnp.bfloat16, args.wire, args.seed, args.layers,
                  args.expert_weights)
   ids = _prompt(model, batch, args.prompt_len, args.seed)
@@ -252,15 +252,16 @@ def time_model(name, mesh, backend, args, batch, copy) -> dict:
   # attention reads every position of the cache, masked).
   floor = {"weight_bytes": bytes_on_first_device(nnx.state(model, nnx.Param)),
            "cache_bytes": bytes_on_first_device(cache)}
-  if copy is not None:
+  if read is not None:
     floor["hbm_floor_us"] = (floor["weight_bytes"] + floor["cache_bytes"]) / (
-        copy["tb_per_s"] * 1e6)
+        read["tb_per_s"] * 1e6)
     floor["step_over_floor"] = timing["median_us"] / floor["hbm_floor_us"]
   stages = None
   if args.stages:  # kernel time per stage of a few steps, from a profiler trace
     n = min(args.steps, 8)
-    compiled = decode.lower(state, token_b, cache, n).compile()
-    stages = stage_profile.profile_stages(lambda: decode(state, token_b, cache, n), compiled, n)
+    profiled = stage_profile.jit_for_profile(decode)
+    compiled = profiled.lower(state, token_b, cache, n).compile()
+    stages = stage_profile.profile_stages(lambda: profiled(state, token_b, cache, n), compiled, n)
     stages["gaps_us"] = timing["median_us"] - stages["total_us"]  # the step not in a kernel
   model.pool.check()
   model.pool.close()
@@ -271,14 +272,14 @@ def time_model(name, mesh, backend, args, batch, copy) -> dict:
           "layout": model.layout()}
 
 
-def time_jax_user_peer(name, mesh, args, batch, copy) -> dict:
+def time_jax_user_peer(name, mesh, args, batch, read) -> dict:
   """The same model as a JAX user runs it today: the xla exchange and the experts through
   jax.lax.ragged_dot (models.moe.GEMM_IMPLEMENTATION, read while tracing). Running out of
   memory is a result too (seen at the realistic prefill sizes)."""
   label = f"{name} b{batch} xla+lax.ragged_dot"
   saved, moe.GEMM_IMPLEMENTATION = moe.GEMM_IMPLEMENTATION, "lax"
   try:
-    result = time_model(name, mesh, "xla", args, batch, copy)
+    result = time_model(name, mesh, "xla", args, batch, read)
   except jax.errors.JaxRuntimeError as e:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
@@ -305,11 +306,13 @@ def compare_with_peer(row: list) -> None:
       r["tokens_per_s_over_jax_user"] = r["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
 
 
-def measure_copy_bandwidth(mib: int, reps: int) -> dict:
-  """The HBM copy bandwidth (bytes read + written per second) of bench_grouped_gemm's copy
-  loop, the floors' denominator."""
-  from benchmarks.bench_grouped_gemm import measure_copy
-  return measure_copy(mib, argparse.Namespace(iters=20, short_iters=2, reps=reps, budget_s=2.0))
+def measure_bandwidth(mib: int, reps: int) -> tuple[dict, dict]:
+  """The HBM read bandwidth (bench_grouped_gemm's sum: bytes read per second), the floors'
+  denominator since a decode step mostly reads, and the copy bandwidth (read + written)
+  beside it."""
+  from benchmarks.bench_grouped_gemm import measure_copy, measure_read
+  args_ns = argparse.Namespace(iters=20, short_iters=2, reps=reps, budget_s=2.0)
+  return measure_read(mib, args_ns), measure_copy(mib, args_ns)
 
 
 def plot(payload: dict, path: Path) -> bool:
@@ -410,7 +413,7 @@ def main(argv=None) -> int:
   batches = args.batch or [16 * mesh.devices.size]
   copy_mib = args.copy_mib if args.copy_mib is not None else (
       4096 if jax.default_backend() == "gpu" else 0)
-  copy = measure_copy_bandwidth(copy_mib, args.reps) if copy_mib else None
+  read, copy = measure_bandwidth(copy_mib, args.reps) if copy_mib else (None, None)
   tokamax_ok, gemm = grouped_gemm.tokamax_status()
   if jax.default_backend() == "gpu" and not tokamax_ok:
     # Seen at 5f5a9ce on one H200: dsv3-ep8-share at batch 128 (4096 prompt tokens) asked for
@@ -418,8 +421,9 @@ def main(argv=None) -> int:
     print(f"warning: the experts' grouped GEMMs fall back to jax.lax.ragged_dot ({gemm}); on "
           "GPUs it is several times slower than tokamax's kernel and at prefill sizes of the "
           "realistic models it runs out of memory", file=sys.stderr)
-  if copy is not None:
-    print(f"copy bandwidth {copy['tb_per_s']:.2f} TB/s read + written ({copy['method']})")
+  if read is not None:
+    print(f"read bandwidth {read['tb_per_s']:.2f} TB/s ({read['method']}); copy "
+          f"{copy['tb_per_s']:.2f} TB/s read + written ({copy['method']})")
   results, parity = [], {}
   for name in args.models:
     try:
@@ -432,9 +436,9 @@ def main(argv=None) -> int:
                       "reason": f"backends disagree: {parity[name]['f32_exact']}"})
       continue
     for batch in batches:
-      row = [time_model(name, mesh, backend, args, batch, copy) for backend in backends]
+      row = [time_model(name, mesh, backend, args, batch, read) for backend in backends]
       if args.jax_user_peer and tokamax_ok:
-        row.append(time_jax_user_peer(name, mesh, args, batch, copy))
+        row.append(time_jax_user_peer(name, mesh, args, batch, read))
       compare_with_peer(row)
       results += row
   payload = {
@@ -444,6 +448,7 @@ def main(argv=None) -> int:
                  "expert_weights": args.expert_weights,
                  "dtype": "bfloat16", "backends": backends, "seed": args.seed,
                  "models": {name: model_config(name, args.layers) for name in args.models}},
+      "read_bandwidth": read,
       "copy_bandwidth": copy,
       "grouped_gemm": {"implementation": moe.GEMM_IMPLEMENTATION,
                        "tokamax": tokamax_ok, "status": gemm},

@@ -333,6 +333,24 @@ def measure_copy(mib: int, args_ns) -> dict:
           "in_place_time": in_place, "out_of_place_time": out_of_place}
 
 
+def measure_read(mib: int, args_ns) -> dict:
+  """Read bandwidth over mib MiB of bf16, bytes read per second: an f32 sum of the buffer, a
+  jitted call per read, queued back to back (the output is one number, so nearly every byte
+  is a read). The floor of work that mostly reads, as a decode step does (weights, cache)."""
+  elements = mib * (1 << 20) // 2
+  x = jax.random.normal(jax.random.key(9), (elements // 1024, 1024), jnp.bfloat16)
+  total = jax.jit(lambda v: jnp.sum(v, dtype=jnp.float32))
+
+  def queued(n):
+    out = None
+    for _ in range(n):
+      out = total(x)
+    return out
+  summary = time_program(queued, args_ns)
+  return {"bytes": x.size * 2, "time": summary, "method": "f32 sum (queued calls)",
+          "tb_per_s": x.size * 2 / summary["median_us"] / 1e6}
+
+
 def measure_loop_overhead(args_ns) -> dict:
   """One fori_loop iteration around a one-element update: the per-iteration floor of the loops
   above (on GPU XLA's while loop reads its condition back on the host each iteration)."""

@@ -97,24 +97,44 @@ def _device_events(data, module: str):
   return events
 
 
+# Compiler options of a program to profile by stage. On GPUs XLA runs fusions, custom calls
+# and loops from command buffers (CUDA graphs) by default, and the kernels a graph launches
+# may not carry the instruction they ran; with command buffers off every kernel does. The
+# kernels are the same either way (only the launch gaps differ: the caller measures the step
+# itself with the defaults).
+PROFILE_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def jit_for_profile(jitted):
+  """The function of `jitted` jitted again as profile_stages wants it (PROFILE_OPTIONS on
+  GPUs). Call the result, not its Compiled: a Compiled called directly drops the ordered-effect
+  token the host backend threads (jax 0.10.2: "supplied 61 arguments but compiled program
+  expected 62", then a segfault)."""
+  options = PROFILE_OPTIONS if jax.default_backend() == "gpu" else None
+  return jax.jit(jitted.__wrapped__, compiler_options=options)
+
+
 def profile_stages(run, compiled, steps: int) -> dict:
   """Traces `run()` (which must run `compiled`, `steps` steps) and returns the device time
   per step by stage, averaged over the devices: {"stages_us": {stage: us}, "total_us",
-  "unmatched_us" (events whose instruction the module's text does not name), "devices"}."""
+  "unmatched_us" (events whose instruction the module's text does not name), "unmatched_top"
+  (the largest of those: [instruction, us per step]), "devices"}."""
   text = compiled.as_text()
   module = re.search(r"^HloModule ([\w.\-]+)", text, re.M).group(1)
   by_name = instruction_stages(text)
   events = _device_events(traced(run), module)
   devices = max(1, len({device for device, _, _ in events}))
   totals = collections.Counter()
-  unmatched = 0.0
+  unmatched = collections.Counter()
   for _, op, ns in events:
     stage = by_name.get(op, stages.OTHER)
     if op not in by_name:
-      unmatched += ns
+      unmatched[op] += ns
     if stage is not None:
       totals[stage] += ns
   scale = 1e-3 / (steps * devices)
   per_stage = {s: totals.get(s, 0) * scale for s in (*stages.STAGES, stages.OTHER)}
   return {"stages_us": per_stage, "total_us": sum(per_stage.values()),
-          "unmatched_us": unmatched * scale, "devices": devices, "module": module}
+          "unmatched_us": sum(unmatched.values()) * scale,
+          "unmatched_top": [[op, ns * scale] for op, ns in unmatched.most_common(8)],
+          "devices": devices, "module": module}

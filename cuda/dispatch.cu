@@ -716,6 +716,7 @@ dispatch_local_kernel(CommView v, TokenInput input, const void* x, const float* 
                      slot_rows, chunk_rows);
     counted = t1 * K;
     __syncthreads();
+    if (c == blockIdx.x) clock_mark(v, kClockDispatch, kMarkRanked);
     const bool cached = (t1 - t0) * K <= kLocalChunkSlots;
     place_local_chunk(d, input, x, x_scales, cached ? chunk_rows : slot_rows + t0 * K, t0,
                       min(t1, ntok), x_out, scales_out, smem);

@@ -28,13 +28,14 @@ enum ClockMark : int {
   kMarkSegments = 5,    // dispatch: segments built and written
   kMarkDataSeen = 6,    // the flags of this block's first chunk seen
   kMarkRecvDone = 7,    // every chunk of this block placed (dispatch) or summed (combine)
-  kClockMarks = 8,
+  kMarkRanked = 8,      // world-1 dispatch: the slots of this block's first chunk have rows
+  kClockMarks = 9,
 };
 
 // Names the bindings give Python (index = ClockKernel / ClockMark).
 constexpr const char* kClockKernelNames[kClockKernels] = {"dispatch", "combine"};
 constexpr const char* kClockMarkNames[kClockMarks] = {
     "send_start", "routed", "sent", "recv_start", "counts_seen", "segments", "data_seen",
-    "recv_done"};
+    "recv_done", "ranked"};
 
 }  // namespace jax_moe

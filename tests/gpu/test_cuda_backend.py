@@ -148,7 +148,7 @@ STAGE_ORDER = {
     "halves": {"dispatch": ("send_start", "sent", "recv_start", "counts_seen", "segments",
                             "data_seen", "recv_done"),
                "combine": ("send_start", "sent", "recv_start", "data_seen", "recv_done")},
-    "fused": {"dispatch": ("send_start", "counts_seen", "segments", "recv_done"),
+    "fused": {"dispatch": ("send_start", "counts_seen", "segments", "ranked", "recv_done"),
               "combine": ("send_start", "recv_done")},
 }
 

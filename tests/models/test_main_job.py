@@ -52,7 +52,7 @@ def test_bench_decode_checks_backends_and_writes_results(tmp_path):
   for result in results:
     assert result["status"] == "ok", result
     assert result["time"]["median_us"] > 0 and result["decode_tokens_per_s"] > 0
-    floor = result["floor"]  # weights and cache one rank reads per step, over the copy rate
+    floor = result["floor"]  # weights and cache one rank reads per step, over the read rate
     assert floor["weight_bytes"] > 0 and floor["cache_bytes"] > 0
     assert floor["hbm_floor_us"] > 0 and floor["step_over_floor"] > 0
     prefill = result["prefill"]  # device-timed, with the model FLOPs of 8 prompts of 4
@@ -63,7 +63,7 @@ def test_bench_decode_checks_backends_and_writes_results(tmp_path):
     for stage in ("attention", "router", "dispatch", "experts", "combine", "dense_mlp"):
       assert per_stage[stage] > 0, (stage, per_stage)
     assert per_stage["shared_experts"] == 0  # Qwen3-MoE has none
-  assert payload["copy_bandwidth"]["tb_per_s"] > 0
+  assert payload["read_bandwidth"]["tb_per_s"] > 0 and payload["copy_bandwidth"]["tb_per_s"] > 0
   assert payload["grouped_gemm"]["implementation"] == "auto"
 
 
