@@ -188,11 +188,15 @@ def check_backends(name, mesh, backends, args, batch) -> dict:
 
 
 def decode_program(model, batch, prompt_len, max_len):
-  """jit(prefill), jit(n prefills in a fori_loop) and jit(n greedy decode steps in a
-  fori_loop) for one model."""
+  """jit(prefill), jit(n prefills in a fori_loop), jit(n greedy decode steps in a fori_loop)
+  and jit(an empty cache) for one model."""
   model.prepare(batch, prompt_len)  # communicators of the prompt and of one token per sequence
   model.prepare(batch, 1)
   graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def empty_cache(state):
+    return nnx.merge(graphdef, state).init_cache(batch, max_len)
 
   @jax.jit
   def prefill(state, ids_bs):
@@ -220,17 +224,15 @@ def decode_program(model, batch, prompt_len, max_len):
 
     return jax.lax.fori_loop(0, n, step, (token_b, cache))
 
-  return state, prefill, prefill_loop, decode
+  return state, prefill, prefill_loop, decode, empty_cache
 
 
-def time_model(name, mesh, backend, args, batch, read) -> dict:
-  model = _build(name, mesh, backend, jnp.bfloat16, args.wire, args.seed, args.layers,
-                 args.expert_weights)
-  ids = _prompt(model, batch, args.prompt_len, args.seed)
-  # the prompt is prefilled at max_len = prompt + steps so one cache shape serves every n
-  max_len = args.prompt_len + args.steps + 1
-  state, prefill, prefill_loop, decode = decode_program(model, batch, args.prompt_len, max_len)
-  token_b, cache = jax.block_until_ready(prefill(state, ids))
+def out_of_memory(e: Exception) -> bool:
+  return isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
+
+
+def time_prefill(model, mesh, args, batch, state, ids, prefill, prefill_loop) -> dict:
+  """Wall time of single prefills and device time of chained ones, with the model FLOPs."""
   prefill_wall_us = []
   for _ in range(args.reps):
     start = time.perf_counter()
@@ -242,15 +244,40 @@ def time_model(name, mesh, backend, args, batch, read) -> dict:
   work = flops.prefill_flops(model, batch, args.prompt_len)
   per_s = work["total"] / mesh.devices.size / (prefill_time["median_us"] * 1e-6)  # a device's
   peak = flops.bf16_peak_flops(mesh.devices.flat[0].device_kind)
-  prefill = {"time": prefill_time, "wall": summarize(prefill_wall_us), "flops": work,
-             "tflops_per_device": per_s / 1e12,
-             "fraction_of_bf16_peak": None if peak is None else per_s / peak}
+  return {"time": prefill_time, "wall": summarize(prefill_wall_us), "flops": work,
+          "tflops_per_device": per_s / 1e12,
+          "fraction_of_bf16_peak": None if peak is None else per_s / peak}
+
+
+def time_model(name, mesh, backend, args, batch, read, prefill_may_fail=False) -> dict:
+  """Prefill and decode of one model. With `prefill_may_fail`, a prefill that runs out of
+  memory is recorded as such and the decode starts from an empty cache (a step reads the
+  whole cache, masked, so it costs the same at any position)."""
+  model = _build(name, mesh, backend, jnp.bfloat16, args.wire, args.seed, args.layers,
+                 args.expert_weights)
+  ids = _prompt(model, batch, args.prompt_len, args.seed)
+  # the prompt is prefilled at max_len = prompt + steps so one cache shape serves every n
+  max_len = args.prompt_len + args.steps + 1
+  state, prefill, prefill_loop, decode, empty_cache = decode_program(model, batch,
+                                                                     args.prompt_len, max_len)
+  try:
+    token_b, cache = jax.block_until_ready(prefill(state, ids))
+    prefill_result = time_prefill(model, mesh, args, batch, state, ids, prefill, prefill_loop)
+  except Exception as e:  # noqa: BLE001 - only running out of memory is a result
+    if not (prefill_may_fail and out_of_memory(e)):
+      raise
+    prefill_result = {"status": "out of memory", "reason": str(e).splitlines()[0]}
+    token_b, cache = ids[:, -1], jax.block_until_ready(empty_cache(state))
   jax.block_until_ready(decode(state, token_b, cache, 1))  # compile
   timing, _ = time_per_iteration(lambda n: decode(state, token_b, cache, n), args.short_steps,
                                  args.steps, args.reps, args.budget_s)
   # What one step reads at least once per rank: its weights and its whole KV cache (the
-  # attention reads every position of the cache, masked).
-  floor = {"weight_bytes": bytes_on_first_device(nnx.state(model, nnx.Param)),
+  # attention reads every position of the cache, masked). Of an untied embedding table a step
+  # reads only its batch's rows, not the table.
+  embedding = 0 if model.lm_head is None else bytes_on_first_device(
+      nnx.state(model.embed_tokens, nnx.Param))
+  floor = {"weight_bytes": bytes_on_first_device(nnx.state(model, nnx.Param)) - embedding,
+           "embedding_table_bytes_not_read": embedding,
            "cache_bytes": bytes_on_first_device(cache)}
   if read is not None:
     floor["hbm_floor_us"] = (floor["weight_bytes"] + floor["cache_bytes"]) / (
@@ -267,7 +294,7 @@ def time_model(name, mesh, backend, args, batch, read) -> dict:
   model.pool.close()
   return {"label": f"{name} b{batch} {backend}", "model": name, "backend": backend,
           "batch": batch, "status": "ok", "family": "jax_moe", "time": timing,
-          "prefill": prefill, "floor": floor, "stages": stages,
+          "prefill": prefill_result, "floor": floor, "stages": stages,
           "decode_tokens_per_s": batch / (timing["median_us"] * 1e-6),
           "layout": model.layout()}
 
@@ -279,9 +306,9 @@ def time_jax_user_peer(name, mesh, args, batch, read) -> dict:
   label = f"{name} b{batch} xla+lax.ragged_dot"
   saved, moe.GEMM_IMPLEMENTATION = moe.GEMM_IMPLEMENTATION, "lax"
   try:
-    result = time_model(name, mesh, "xla", args, batch, read)
-  except jax.errors.JaxRuntimeError as e:
-    if "RESOURCE_EXHAUSTED" not in str(e):
+    result = time_model(name, mesh, "xla", args, batch, read, prefill_may_fail=True)
+  except Exception as e:  # noqa: BLE001 - only running out of memory is a result
+    if not out_of_memory(e):
       raise
     return {"label": label, "model": name, "backend": "xla", "batch": batch,
             "status": "out of memory", "family": "peer", "reason": str(e).splitlines()[0]}
@@ -391,13 +418,14 @@ def _table(results) -> str:
       lines.append(f"{r['label'][:40]:40} {r['status']:8} {r.get('reason', '')[:120]}")
       continue
     t, pre = r["time"], r["prefill"]
+    prefill = (f"{pre['time']['median_us'] / 1e3:10.2f} {pre['tflops_per_device']:8.2f} "
+               f"{opt(pre['fraction_of_bf16_peak'], '.0%'):>7}") if "time" in pre else \
+        f"{pre['status']:>27}"
     lines.append(f"{r['label'][:40]:40} {'ok':8} {t['median_us']:9.1f} "
                  f"{t['p10_us']:7.1f}-{t['p90_us']:<7.1f} {r['decode_tokens_per_s']:9.0f} "
                  f"{opt(r['floor'].get('step_over_floor'), '.2f'):>8} "
                  f"{opt(r.get('exchange_fraction_of_step'), '.0%'):>5} "
-                 f"{opt(r.get('tokens_per_s_over_jax_user'), '.2f'):>6} "
-                 f"{pre['time']['median_us'] / 1e3:10.2f} {pre['tflops_per_device']:8.2f} "
-                 f"{opt(pre['fraction_of_bf16_peak'], '.0%'):>7}")
+                 f"{opt(r.get('tokens_per_s_over_jax_user'), '.2f'):>6} {prefill}")
   return "\n".join(lines)
 
 

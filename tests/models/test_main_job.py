@@ -136,3 +136,30 @@ def test_bench_decode_jax_user_peer_and_the_ratios():
   stages = peer["stages"]["stages_us"]
   assert abs(peer["exchange_fraction_of_step"] * peer["time"]["median_us"]
              - (stages["dispatch"] + stages["combine"])) < 1e-6
+
+
+def test_bench_decode_times_decode_when_the_peers_prefill_runs_out_of_memory(monkeypatch):
+  """The JAX-user peer (lax.ragged_dot) runs out of HBM in the realistic prefill; its decode
+  is still timed, from an empty cache, and the prefill is recorded as out of memory."""
+  import jax
+  from benchmarks import bench_decode
+
+  real = bench_decode.decode_program
+
+  def prefill_out_of_memory(*a, **kw):
+    state, prefill, prefill_loop, decode, empty_cache = real(*a, **kw)
+
+    def prefill_fails(*_):
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (the test's)")
+    return state, prefill_fails, prefill_loop, decode, empty_cache
+
+  monkeypatch.setattr(bench_decode, "decode_program", prefill_out_of_memory)
+  args = bench_decode.parse_args(["--models", "tiny-qwen3-moe", "--steps", "4", "--short-steps",
+                                  "1", "--reps", "1", "--no-stages"])
+  mesh = bench_decode.ep_mesh(2)
+  result = bench_decode.time_jax_user_peer("tiny-qwen3-moe", mesh, args, 4, None)
+  assert result["status"] == "ok" and result["family"] == "peer"
+  assert result["prefill"]["status"] == "out of memory"
+  assert result["time"]["median_us"] > 0 and result["decode_tokens_per_s"] > 0
+  with pytest.raises(jax.errors.JaxRuntimeError):  # elsewhere it is not a result
+    bench_decode.time_model("tiny-qwen3-moe", mesh, "xla", args, 4, None)
