@@ -4,6 +4,7 @@
 
 #include "ffi/build_info.h"
 #include "ffi/native_host.h"
+#include "ffi/native_protocol.h"
 #ifdef JAX_MOE_WITH_CUDA
 #include "ffi/native_cuda.h"
 #endif
@@ -37,6 +38,7 @@ NB_MODULE(_native, m) {
   m.def("registrations", &registrations,
         "{platform: {target_name: capsule}} for jax.ffi.register_ffi_target");
   m.def("build_info", &jax_moe::build_info, "What this build contains (CUDA, libfabric, ...)");
+  jax_moe::bind_protocol(m);
   jax_moe::bind_host(m);
 #ifdef JAX_MOE_WITH_CUDA
   jax_moe::bind_cuda(m);

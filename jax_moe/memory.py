@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from jax_moe import native
-from jax_moe.backends.native_backend import layout_sizes
+from jax_moe.backends.native_backend import moe_dims
 from jax_moe.config import MoEConfig
 
 
@@ -24,7 +24,7 @@ def per_rank_bytes(cfg: MoEConfig, axis_size: int, *, chunks: int = 132,
   if module is None or not hasattr(module, "buffer_bytes"):
     raise ValueError(f"per_rank_bytes: needs jax_moe._native ({native.build_info()})")
   capacity = cfg.capacity(axis_size)
-  layouts = module.buffer_bytes(chunks=chunks, **layout_sizes(cfg, axis_size))
+  layouts = module.buffer_bytes(moe_dims(cfg, axis_size), chunks)
   scales = capacity * cfg.num_scale_blocks * 4 if cfg.is_fp8 else 0
   output = (capacity * cfg.hidden * cfg.dispatch_dtype.itemsize + scales + capacity * 4
             + 2 * cfg.num_local_experts(axis_size) * 4

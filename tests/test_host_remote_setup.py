@@ -4,10 +4,13 @@ between processes in gpu/test_multiprocess.py (the host jobs)."""
 
 import itertools
 
+import jax.numpy as jnp
 import pytest
 
+import jax_moe as jm
 from jax_moe import native
 from jax_moe.backends import host_remote
+from jax_moe.backends.native_backend import moe_dims
 
 pytestmark = pytest.mark.skipif(not host_remote.available(),
                                 reason="jax_moe._native is not built with libfabric")
@@ -18,9 +21,9 @@ _comm_ids = itertools.count(1_000_000)  # far from the Communicators' own counte
 def create_rank0(module):
     """Rank 0 of a 2-rank host communicator on CPU device 0; returns its comm id."""
     comm_id = next(_comm_ids)
-    module.host_create_rank(comm_id=comm_id, ordinal=0, rank=0, world=2, max_tokens=4,
-                            hidden=128, topk=2, num_experts=4, block_size=128, expert_padding=1,
-                            capacity=16, fp8=False, reduce_expert=False, partial_bf16=False,
+    cfg = jm.MoEConfig(num_experts=4, experts_per_token=2, hidden=128, max_tokens=4,
+                       dispatch_dtype=jnp.bfloat16)  # capacity 16
+    module.host_create_rank(comm_id=comm_id, ordinal=0, dims=moe_dims(cfg, 2, rank=0),
                             timeout_s=2.0)
     return comm_id
 

@@ -13,8 +13,8 @@
 #include "ffi/cuda/handlers.h"
 #include "ffi/cuda/multicast.h"
 #include "ffi/cuda/state.h"
-#include "ffi/moe_dims.h"
 #include "ffi/native_cuda.h"
+#include "ffi/native_protocol.h"
 
 namespace nb = nanobind;
 
@@ -23,19 +23,13 @@ namespace jax_moe {
 void bind_cuda(nb::module_& m) {
   m.def(
       "cuda_create_rank",
-      [](int64_t comm_id, int ordinal, int rank, int world, int max_tokens, int hidden, int topk,
-         int num_experts, int block_size, int expert_padding, int capacity, bool fp8,
-         bool reduce_expert, bool partial_bf16, double timeout_s, bool proxy, int chunks,
-         bool stage_clocks) {
-        const MoeDims d = moe_dims(rank, world, max_tokens, hidden, topk, num_experts, block_size,
-                                   expert_padding, capacity, fp8, reduce_expert, partial_bf16);
-        if (proxy) create_proxy_rank_state(comm_id, ordinal, d, timeout_s);
-        else create_rank_state(comm_id, ordinal, d, chunks, timeout_s, stage_clocks);
+      [](int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s, bool proxy,
+         int chunks, bool stage_clocks) {
+        check_dims(dims);
+        if (proxy) create_proxy_rank_state(comm_id, ordinal, dims, timeout_s);
+        else create_rank_state(comm_id, ordinal, dims, chunks, timeout_s, stage_clocks);
       },
-      nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("rank"), nb::arg("world"),
-      nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("topk"), nb::arg("num_experts"),
-      nb::arg("block_size"), nb::arg("expert_padding"), nb::arg("capacity"), nb::arg("fp8"),
-      nb::arg("reduce_expert"), nb::arg("partial_bf16"), nb::arg("timeout_s"),
+      nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("dims"), nb::arg("timeout_s"),
       nb::arg("proxy") = false, nb::arg("chunks") = 0, nb::arg("stage_clocks") = false,
       "Allocates the buffers of one rank of a CUDA communicator on local device `ordinal` "
       "(NVLink protocol of `chunks` token chunks, equal on every rank; with `stage_clocks` "

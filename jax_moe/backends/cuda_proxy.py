@@ -54,7 +54,7 @@ class ProxyRanks(RankStates):
 
   Per local device: a cuda rank state with the pinned staging, doorbell and proxy thread,
   and a host rank state (same comm id and device ordinal) that the proxy runs the exchange
-  on. `sizes(rank)` gives one rank's sizes as the *_create_rank bindings take them.
+  on. `sizes(rank)` gives one rank's dims and timeout as the *_create_rank bindings take them.
   """
 
   def __init__(self, groups, sizes, owner: str):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe import settings
+from jax_moe import native, settings
 from jax_moe.config import MoEConfig
 from jax_moe.sharding import axis_size
 from jax_moe.types import Dispatched
@@ -40,15 +40,20 @@ class NativeCombinePending(NamedTuple):
   topk_weights: jax.Array
 
 
-def layout_sizes(cfg: MoEConfig, world: int) -> dict:
-  """The sizes of a communicator's native layout, as the *_create_rank and buffer_bytes
-  bindings take them (ffi/moe_dims.h builds MoeDims from them)."""
-  return dict(world=world, max_tokens=cfg.max_tokens, hidden=cfg.hidden,
-              topk=cfg.experts_per_token, num_experts=cfg.num_experts,
-              block_size=cfg.block_size, expert_padding=cfg.expert_padding,
-              capacity=cfg.capacity(world), fp8=cfg.is_fp8,
-              reduce_expert=cfg.combine_reduce == "expert",
-              partial_bf16=cfg.partial_dtype == np.dtype(jnp.bfloat16))
+def moe_dims(cfg: MoEConfig, world: int, rank: int = 0):
+  """The native layout's sizes of one rank (cuda/layout.cuh MoeDims, bound as
+  jax_moe._native.MoeDims): the one place a MoEConfig becomes what the *_create_rank and
+  buffer_bytes bindings take. Every field is set by its C++ name."""
+  fields = dict(world=world, rank=rank, max_tokens=cfg.max_tokens, hidden=cfg.hidden,
+                topk=cfg.experts_per_token, num_experts=cfg.num_experts,
+                local_experts=cfg.num_local_experts(world), block_size=cfg.block_size,
+                expert_padding=cfg.expert_padding, capacity=cfg.capacity(world),
+                fp8=int(cfg.is_fp8), reduce_expert=int(cfg.combine_reduce == "expert"),
+                partial_bf16=int(cfg.partial_dtype == np.dtype(jnp.bfloat16)))
+  dims = native.load().MoeDims()
+  for name, value in fields.items():
+    setattr(dims, name, int(value))  # an unknown name raises: the struct has no other fields
+  return dims
 
 
 class NativeBackend:
@@ -68,8 +73,8 @@ class NativeBackend:
     self.comm_id = self._ranks.comm_id
 
   def _rank_sizes(self, rank: int) -> dict:
-    """One rank's sizes, as the *_create_rank bindings take them."""
-    return dict(rank=rank, timeout_s=self._timeout_s, **layout_sizes(self.cfg, self.R))
+    """One rank's dims and timeout, as the *_create_rank bindings take them."""
+    return dict(dims=moe_dims(self.cfg, self.R, rank), timeout_s=self._timeout_s)
 
   # ---------------------------------------------------------------- lifecycle
   def check(self):
