@@ -217,8 +217,9 @@ __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t
 
 // Quantizes scale blocks [block_begin, block_end) of bf16 row `row` [H] (docs/semantics.md:
 // per block amax = max(max|x|, 1e-4), scale = amax * f32(1/448), q = e4m3fn(clip(x * (448 /
-// amax)))) and hands codes and scales to `sink` (SlotSink, RowSink). One warp; a scale block is covered by `lanes_per_block` lanes (CPL 16-byte vectors
-// each) that reduce its amax with shuffles. A batch is kSteps * CPL vectors per lane; the
+// amax)))) and hands codes and scales to `sink` (SlotSink, RowSink). One warp; a scale block
+// is covered by `lanes_per_block` lanes (CPL 16-byte vectors each) that reduce its amax with
+// shuffles. A batch is kSteps * CPL vectors per lane; the
 // warp's `ring` in shared memory (kSendRingVectors per lane) holds kStages batches, loaded
 // with cp.async kStages - 1 batches ahead of the one being quantized (with one batch in
 // registers at a time the warp waited for memory on every batch). The amax is an integer max
