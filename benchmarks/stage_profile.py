@@ -84,17 +84,43 @@ def stream_events(plane):
 def _device_events(data, module: str):
   """[(device, instruction, duration ns)] of the events of `module`: GPU stream lines when
   the trace has GPU planes (a device per plane), else the CPU thunks (events with an hlo_op
-  stat; their device_ordinal stat tells the devices apart)."""
+  stat; their device_ordinal stat tells the devices apart). A GPU kernel without an hlo_op
+  stat is named by its kernel name (event_instruction)."""
   gpu = gpu_planes(data)
   events = []
   for plane in gpu or [p for p in data.planes if p.name == "/host:CPU"]:
     for ev in (stream_events(plane) if gpu else (e for line in plane.lines for e in line.events)):
       stats = dict(ev.stats)
-      op = stats.get("hlo_op")
-      if op is None or stats.get("hlo_module", module) != module:
+      op = stats.get("hlo_op") or (gpu and ev.name)
+      if not op or stats.get("hlo_module", module) != module:
         continue
       events.append(((plane.name, stats.get("device_ordinal")), op, ev.duration_ns))
   return events
+
+
+# Kernels of this project's custom calls, by kernel name: their stage is their op's.
+_KERNEL_STAGES = (("dispatch_local_kernel", "dispatch"), ("dispatch_kernel", "dispatch"),
+                  ("combine_local_kernel", "combine"), ("combine_kernel", "combine"))
+
+
+def kernel_names(by_name: dict[str, str | None]) -> dict[str, str | None]:
+  """{kernel name: stage}: XLA names a fusion's kernel after its instruction, with '.' and '-'
+  as '_'."""
+  return {re.sub(r"[.\-]", "_", name): stage for name, stage in by_name.items()}
+
+
+def event_stage(op: str, by_name: dict, by_kernel: dict) -> tuple[bool, str | None]:
+  """(matched, stage) of an event named `op`: the instruction of that name, else the
+  instruction whose kernel has that name, else one of this project's kernels by name, else
+  (False, OTHER)."""
+  if op in by_name:
+    return True, by_name[op]
+  if op in by_kernel:
+    return True, by_kernel[op]
+  for kernel, stage in _KERNEL_STAGES:
+    if kernel in op:
+      return True, stage
+  return False, stages.OTHER
 
 
 # Compiler options of a program to profile by stage. On GPUs XLA runs fusions, custom calls
@@ -122,13 +148,14 @@ def profile_stages(run, compiled, steps: int) -> dict:
   text = compiled.as_text()
   module = re.search(r"^HloModule ([\w.\-]+)", text, re.M).group(1)
   by_name = instruction_stages(text)
+  by_kernel = kernel_names(by_name)
   events = _device_events(traced(run), module)
   devices = max(1, len({device for device, _, _ in events}))
   totals = collections.Counter()
   unmatched = collections.Counter()
   for _, op, ns in events:
-    stage = by_name.get(op, stages.OTHER)
-    if op not in by_name:
+    matched, stage = event_stage(op, by_name, by_kernel)
+    if not matched:
       unmatched[op] += ns
     if stage is not None:
       totals[stage] += ns

@@ -68,3 +68,16 @@ def test_a_cpu_trace_is_charged_to_the_scoped_stages():
     assert per_stage["router"] == per_stage["combine"] == 0
     assert got["unmatched_us"] == 0 and got["devices"] == 1
     assert abs(got["total_us"] - sum(per_stage.values())) < 1e-6
+
+
+def test_gpu_events_are_named_by_instruction_kernel_or_project_kernel():
+    """A GPU kernel is matched by its hlo_op (the instruction), by its kernel name (XLA names a
+    fusion's kernel after it, '.' as '_'), or, for this project's custom calls, by name."""
+    by_name = {"loop_add_fusion.3": "dense_mlp", "while.1": None}
+    by_kernel = stage_profile.kernel_names(by_name)
+    assert stage_profile.event_stage("loop_add_fusion.3", by_name, by_kernel) == (True, "dense_mlp")
+    assert stage_profile.event_stage("loop_add_fusion_3", by_name, by_kernel) == (True, "dense_mlp")
+    mangled = "_ZN7jax_moe12_GLOBAL__N_121dispatch_local_kernelILNS_10TokenInputE1ELi1EEEv"
+    assert stage_profile.event_stage(mangled, by_name, by_kernel) == (True, "dispatch")
+    assert stage_profile.event_stage("combine_kernel<2>", by_name, by_kernel) == (True, "combine")
+    assert stage_profile.event_stage("gemm_fusion_9", by_name, by_kernel) == (False, "other")
