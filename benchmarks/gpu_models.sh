@@ -4,7 +4,8 @@
 # command with each backend, and benchmarks/bench_decode.py for backends xla and cuda.
 # Everything lands in one file, $OUT/models_<gpus>gpu.tar.gz (logs, JSON, PNG).
 #   GIT_COMMIT=<sha> benchmarks/gpu_models.sh [STEP...]   (default: tests generate bench;
-#   also: realistic, issue 16's DeepSeek-V3 and Qwen3-235B shapes)
+#   also: realistic, issue 16's DeepSeek-V3 and Qwen3-235B shapes; stagecheck, one tiny model's
+#   per-stage profile printed)
 # GIT_COMMIT is the commit to record (the device tool's copies have no .git). Build always
 # runs; a step list lets a 10-minute call do part of the work (tests ~4 min, bench ~4 min).
 set -u -o pipefail
@@ -73,6 +74,13 @@ for s in "${steps[@]}"; do
       step bench_decode 300 python3 benchmarks/bench_decode.py --backends xla,cuda \
         --out "$logs/results" --git-commit "${GIT_COMMIT:-unknown}"
       tail -8 "$logs/bench_decode.log" ;;
+    stagecheck)  # a quick bench_decode of one tiny model: does the GPU stage profile match?
+      step bench_decode_stagecheck 150 python3 benchmarks/bench_decode.py \
+        --models tiny-deepseek-v3 --batch 32 --backends xla,cuda --reps 1 --budget-s 2 \
+        --copy-mib 2048 --out "$logs/results-stagecheck" --git-commit "${GIT_COMMIT:-unknown}"
+      python3 -c "import json, sys; d = json.load(open(sys.argv[1]))
+for r in d['results']: print(r['label'], json.dumps(r.get('stages'))[:600])" \
+        "$logs/results-stagecheck/decode_nvidia-h200-x1.json" 2>&1 | head -8 ;;
     realistic)  # issue 16's shapes at batch 128 (needs tokamax: lax.ragged_dot runs out of HBM);
       # REALISTIC_MODELS picks some of them, so one model fits a 10-minute call
       step bench_decode_realistic 500 python3 benchmarks/bench_decode.py \
