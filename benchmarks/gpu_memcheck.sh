@@ -7,7 +7,9 @@
 #   benchmarks/gpu_memcheck.sh [STEP...]   (default: ep1 ep2)
 #   race1 the same two cases under racecheck (shared-memory hazards between a block's threads)
 #   ep1   the two axis_size=1 cases of tests/gpu/test_cuda_backend.py (fp8 + source; bf16 +
-#         expert with padding): every kernel, no peer
+#         expert with padding), and two world-1 cases of fused kernels against the halves (one
+#         chunk of 1200 slots, fp8 + expert; more chunks than SMs, bf16 + source): every
+#         kernel, no peer
 #   ep2   one axis_size=2 case (split calls, expert combine, bf16 partials): writes to the peer
 #         GPU. If the sanitizer runs the two devices' kernels one after the other, the first
 #         exchange ends in TIMEOUT (the test fails) and the summary still counts memory errors.
@@ -21,6 +23,11 @@ mkdir -p "$logs"
 # on the NVLink path (the test's `path` fixture comes first in the id)
 parity() {
   echo "tests/gpu/test_cuda_backend.py::test_cuda_on_poisoned_memory_matches_reference_and_xla[nvlink-$1]"
+}
+
+# world1 CASE: one case of the world-1 fused-against-halves test ([dispatch-reduce-sms-tokens])
+world1() {
+  echo "tests/gpu/test_cuda_backend.py::test_world1_fused_kernels_equal_the_buffer_halves_for_any_chunking[$1]"
 }
 
 find_sanitizer() {
@@ -80,9 +87,11 @@ check() {
 for step in "${steps[@]}"; do
   case $step in
     ep1) check ep1 280 60 "$(parity axis_size=1,dispatch=fp8)" \
-           "$(parity axis_size=1,dispatch=bf16,combine_reduce=expert,expert_padding=16)" ;;
+           "$(parity axis_size=1,dispatch=bf16,combine_reduce=expert,expert_padding=16)" \
+           "$(world1 fp8-expert-1-300)" "$(world1 bf16-source-300-64)" ;;
     race1) TOOL=racecheck check race1 280 60 "$(parity axis_size=1,dispatch=fp8)" \
-           "$(parity axis_size=1,dispatch=bf16,combine_reduce=expert,expert_padding=16)" ;;
+           "$(parity axis_size=1,dispatch=bf16,combine_reduce=expert,expert_padding=16)" \
+           "$(world1 fp8-expert-1-300)" "$(world1 bf16-source-300-64)" ;;
     ep2) check ep2 260 60 \
            "$(parity axis_size=2,dispatch=bf16,combine_reduce=expert,partial_dtype=bfloat16,split=True)" ;;
     *) echo "unknown step $step (steps: ep1 race1 ep2)"; exit 2 ;;
