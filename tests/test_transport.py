@@ -200,6 +200,26 @@ def test_self_scatter_and_barrier_in_one_engine():
         assert e.arrived(4, 0) == 0 and e.arrived(5, 0) == 0
 
 
+@pytest.mark.parametrize("provider", list(PROVIDERS))
+def test_many_writes_in_flight_all_complete(provider):
+    """One scatter of 20000 one-byte writes (more than a transmit queue or a completion queue
+    holds): posting waits for completions and none is lost, so every byte lands and every
+    write is counted."""
+    n = 20000
+    with engine(provider=provider) as e:
+        e.add_peer(e.address)
+        dest = e.register(np.zeros(2 * n, np.uint8))
+        src = e.register((np.arange(2 * n) % 251).astype(np.uint8))
+        group = e.create_group([(0, dest.descriptor)] * n)
+        offsets = list(range(0, 2 * n, 2))
+        e.scatter(group, src, offsets, [1] * n, offsets, tag=6)
+        e.wait(6, {0: n})
+        e.flush()
+        expected = np.zeros(2 * n, np.uint8)
+        expected[0::2] = src.array[0::2]
+        np.testing.assert_array_equal(dest.array, expected)
+
+
 def test_bad_addresses_and_descriptors_are_clear_errors():
     with engine() as e:
         dest = e.register(np.zeros(64, np.uint8))
