@@ -46,6 +46,22 @@ def assert_dispatch_matches(fields, expected):
                                  f"scales on rank {rank}", nan_equal=True)
 
 
+def assert_same_dispatch(actual, expected, what):
+    """Two runs' dispatch fields (DISPATCH_FIELDS -> [R, ...]) agree bit for bit wherever the
+    contract fixes them: counts, every weight, and x and scales in the rows in use (the rows
+    past them are unspecified, so two paths may leave different bytes there)."""
+    for rank in range(expected["group_sizes"].shape[0]):
+        for name in ("group_sizes", "tokens_per_expert", "weights"):
+            assert_bitwise_equal(actual[name][rank], expected[name][rank], f"{what}: {name}")
+        used = min(int(expected["group_sizes"][rank].sum()), expected["x"].shape[1])
+        for name in ("x", "scales"):
+            if expected[name] is None:
+                assert actual[name] is None, f"{what}: {name} must be None"
+            else:
+                assert_bitwise_equal(actual[name][rank][:used], expected[name][rank][:used],
+                                     f"{what}: {name} rows on rank {rank}", nan_equal=True)
+
+
 def assert_combine_within(actual, expected, bound, what):
     """|actual - expected| <= bound elementwise; both bf16 [R, T, H]."""
     assert actual.dtype == ref.BF16, f"{what}: dtype {actual.dtype}, expected bfloat16"
