@@ -306,24 +306,33 @@ def measure_peak(size: int, args_ns, warm_up_s: float = 0.0) -> dict:
           "tflops": flops / summary["median_us"] / 1e6}
 
 
+def _bf16_buffer(mib: int, seed: int) -> jax.Array:
+  """mib MiB of random bf16, [n, 1024]: the operand of the bandwidth measurements."""
+  elements = mib * (1 << 20) // 2
+  return jax.random.normal(jax.random.key(seed), (elements // 1024, 1024), jnp.bfloat16)
+
+
+def _queued_calls(jitted, x):
+  """run(n): n calls jitted(x) queued back to back (no loop in the program), the last result
+  returned for the caller to wait on."""
+  def run(n):
+    out = None
+    for _ in range(n):
+      out = jitted(x)
+    return out
+  return run
+
+
 def measure_copy(mib: int, args_ns) -> dict:
   """Copy bandwidth over mib MiB of bf16, bytes read + written per second, two ways: x <- -x
   in place in a loop, and out-of-place copies (y = -x, a jitted call per copy, queued
   back to back). The faster one counts."""
-  elements = mib * (1 << 20) // 2
-  x = jax.random.normal(jax.random.key(8), (elements // 1024, 1024), jnp.bfloat16)
+  x = _bf16_buffer(mib, seed=8)
   moved = 2.0 * x.size * 2  # read + write
   prog = carry_program(lambda v: -v)
   in_place = time_program(lambda n: prog(x, jnp.int32(n)), args_ns)
-  negate = jax.jit(lambda v: -v)
-
-  def queued(n):
-    out = None
-    for _ in range(n):
-      out = negate(x)
-    return out
   few = argparse.Namespace(**{**vars(args_ns), "iters": min(args_ns.iters, 16)})  # memory
-  out_of_place = time_program(queued, few)
+  out_of_place = time_program(_queued_calls(jax.jit(lambda v: -v), x), few)
   best = min((in_place, "in place (loop)"), (out_of_place, "out of place (queued calls)"),
              key=lambda t: t[0]["median_us"])
   return {"bytes": x.size * 2, "bytes_moved": moved, "time": best[0], "method": best[1],
@@ -337,16 +346,9 @@ def measure_read(mib: int, args_ns) -> dict:
   """Read bandwidth over mib MiB of bf16, bytes read per second: an f32 sum of the buffer, a
   jitted call per read, queued back to back (the output is one number, so nearly every byte
   is a read). The floor of work that mostly reads, as a decode step does (weights, cache)."""
-  elements = mib * (1 << 20) // 2
-  x = jax.random.normal(jax.random.key(9), (elements // 1024, 1024), jnp.bfloat16)
-  total = jax.jit(lambda v: jnp.sum(v, dtype=jnp.float32))
-
-  def queued(n):
-    out = None
-    for _ in range(n):
-      out = total(x)
-    return out
-  summary = time_program(queued, args_ns)
+  x = _bf16_buffer(mib, seed=9)
+  summary = time_program(_queued_calls(jax.jit(lambda v: jnp.sum(v, dtype=jnp.float32)), x),
+                         args_ns)
   return {"bytes": x.size * 2, "time": summary, "method": "f32 sum (queued calls)",
           "tb_per_s": x.size * 2 / summary["median_us"] / 1e6}
 

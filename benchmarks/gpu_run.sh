@@ -69,6 +69,23 @@ suite() {
   [ $rc -ne 0 ] && grep -E '^(E |FAILED|ERROR)' "$logs/$name.log" | head -15
 }
 
+# profile_ep1 NAME PATTERN LINES [ARGS...]: profile_kernels.py --ep 1 (fp8, expert, bf16
+# partials) for decode and prefill, fused and split, with ARGS; prints PATTERN's first LINES
+# lines of each log (logs and JSON named NAME_ep1_<tokens>_<op>).
+profile_ep1() {
+  local name=$1 pattern=$2 lines=$3 tokens op
+  shift 3
+  for tokens in 128 4096; do
+    for op in fused split; do
+      timeout -s KILL 90 python3 benchmarks/profile_kernels.py --ep 1 --tokens $tokens "$@" \
+        --dispatch-dtype fp8 --reduce expert --partial-dtype bf16 $([ $op = split ] && echo --split) \
+        --json "$logs/${name}_ep1_${tokens}_$op.json" > "$logs/${name}_ep1_${tokens}_$op.log" 2>&1
+      echo "$name ep1 $tokens tokens $op: rc=$?"
+      grep -E "$pattern" "$logs/${name}_ep1_${tokens}_$op.log" | head -"$lines"
+    done
+  done
+}
+
 for step in "${steps[@]}"; do
   case $step in
     tests) suite gpu_default 150 tests/gpu/test_cuda_backend.py ;;
@@ -100,25 +117,8 @@ for step in "${steps[@]}"; do
         echo "bench ep1 ${reduce%% *}: rc=$?"
         tail -26 "$logs/bench_ep1_${reduce%% *}.log"
       done
-      for tokens in 128 4096; do
-        for op in fused split; do
-          timeout -s KILL 90 python3 benchmarks/profile_kernels.py --ep 1 --tokens $tokens \
-            --dispatch-dtype fp8 --reduce expert --partial-dtype bf16 $([ $op = split ] && echo --split) \
-            --json "$logs/profile_ep1_${tokens}_$op.json" > "$logs/profile_ep1_${tokens}_$op.log" 2>&1
-          echo "profile ep1 $tokens tokens $op: rc=$?"
-          grep -E "busy span|us x" "$logs/profile_ep1_${tokens}_$op.log" | head -7
-        done
-      done ;;
-    stages)
-      for tokens in 128 4096; do
-        for op in fused split; do
-          timeout -s KILL 90 python3 benchmarks/profile_kernels.py --ep 1 --tokens $tokens --stages \
-            --dispatch-dtype fp8 --reduce expert --partial-dtype bf16 $([ $op = split ] && echo --split) \
-            --json "$logs/stages_ep1_${tokens}_$op.json" > "$logs/stages_ep1_${tokens}_$op.log" 2>&1
-          echo "stages ep1 $tokens tokens $op: rc=$?"
-          grep -E "busy span|us x|^  [a-z_]+ +[0-9-]" "$logs/stages_ep1_${tokens}_$op.log" | head -24
-        done
-      done ;;
+      profile_ep1 profile "busy span|us x" 7 ;;
+    stages) profile_ep1 stages "busy span|us x|^  [a-z_]+ +[0-9-]" 24 --stages ;;
     ep1_cmdbuf)
       XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
         timeout -s KILL 200 python3 benchmarks/bench_dispatch_combine.py --ep 1 \
