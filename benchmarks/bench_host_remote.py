@@ -43,11 +43,9 @@ import json
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `jax_moe` importable
@@ -56,6 +54,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `jax_moe
 from benchmarks import report  # noqa: E402
 from benchmarks.arguments import csv_list, phases  # noqa: E402
 from benchmarks.environment import _git  # noqa: E402
+from benchmarks.processes import free_loopback_port, wait_all  # noqa: E402
 
 WORKER = Path(__file__).with_name("host_remote_worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -124,35 +123,19 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def run_provider(provider: str, config: dict, args, folder: Path) -> list[list[dict]]:
   """Starts the two workers for `provider`; returns each one's records or raises with the
   workers' errors."""
   config_path = folder / "config.json"
   config_path.write_text(json.dumps(config))
-  port = _free_port()
+  port = free_loopback_port()
   env = dict(os.environ, JAX_MOE_HOST_PROVIDER=provider, JAX_MOE_HOST_NODE=PROVIDERS[provider],
              JAX_MOE_TIMEOUT_S=str(args.timeout_s), PYTHONUNBUFFERED="1")
   results = [folder / f"result{i}.json" for i in range(2)]
   workers = [subprocess.Popen([sys.executable, str(WORKER), str(config_path), str(i), str(port),
                                str(results[i])], cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL)
              for i in range(2)]
-  deadline = time.monotonic() + args.worker_timeout_s
-  codes = []
-  for worker in workers:
-    try:
-      codes.append(worker.wait(timeout=max(deadline - time.monotonic(), 0.1)))
-    except subprocess.TimeoutExpired:
-      codes.append(None)
-  for worker, code in zip(workers, codes):
-    if code is None:
-      worker.kill()
-      worker.wait()
+  codes = wait_all(workers, args.worker_timeout_s)
   found = [json.loads(r.read_text()) if r.exists() else None for r in results]
   if codes != [0, 0] or any(f is None or not f["ok"] for f in found):
     reasons = [f"worker {i}: exit code {code}, "

@@ -1,33 +1,14 @@
-"""Processes a test starts: a free loopback port for their coordinator, a bounded wait that
-kills (by pid) whatever outlives it, and a job of one script per argument list."""
+"""Processes a test starts: a job of one script per argument list, with the free loopback port
+and the bounded wait of benchmarks/processes.py (re-exported here for the tests)."""
 
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.processes import free_loopback_port, wait_all
 
-def free_loopback_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_all(processes, timeout_s):
-    """Exit codes; processes still running at the deadline are killed and get None."""
-    deadline = time.monotonic() + timeout_s
-    codes = []
-    for p in processes:
-        try:
-            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0.1)))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-    for p, code in zip(processes, codes):
-        if code is None:
-            p.kill()
-            p.wait()
-    return codes
+__all__ = ["free_loopback_port", "launch", "wait_all"]
 
 
 def launch(script: Path, folder: Path, argvs, env, timeout_s: float, cwd=None):
@@ -41,8 +22,8 @@ def launch(script: Path, folder: Path, argvs, env, timeout_s: float, cwd=None):
         out, err = open(folder / f"stdout{i}.txt", "w"), open(folder / f"stderr{i}.txt", "w")
         files += [out, err]
         processes.append(subprocess.Popen([sys.executable, str(script), *argv],
-                                                                            cwd=cwd or folder, env=env, stdout=out, stderr=err,
-                                                                            stdin=subprocess.DEVNULL))
+                                          cwd=cwd or folder, env=env, stdout=out, stderr=err,
+                                          stdin=subprocess.DEVNULL))
     ended = {}
     deadline = started + timeout_s
     while len(ended) < len(processes) and time.monotonic() < deadline:
@@ -54,6 +35,6 @@ def launch(script: Path, folder: Path, argvs, env, timeout_s: float, cwd=None):
     for f in files:
         f.close()
     results = [(code, (folder / f"stdout{i}.txt").read_text(errors="replace"),
-                            (folder / f"stderr{i}.txt").read_text(errors="replace"))
-                          for i, code in enumerate(codes)]
+                (folder / f"stderr{i}.txt").read_text(errors="replace"))
+               for i, code in enumerate(codes)]
     return results, [ended.get(i) for i in range(len(processes))]
