@@ -242,13 +242,14 @@ __device__ void sum_chunk(const CommView& v, const char* region, const NvlinkLay
 
 // World 1: the fused combine without the buffer (as dispatch_local_kernel): each token's sum
 // straight from y, one warp per (token, part of hidden), in the order and roundings of the
-// buffer path. Expert mode: the one rank's partial (rows held here in k order, weights from
-// row_weights) in the partial dtype, then the source's sum over ranks, +0 + partial, when
-// send_dest names the rank. Source mode: the slots send_dest names in k order with their
-// topk_weights, a slot without a row here (dropped) as a zero row.
+// buffer path. Expert mode: the one rank's partial (rows held here in k order) in the partial
+// dtype, then the source's sum over ranks, +0 + partial, when send_dest names the rank.
+// Source mode: the slots send_dest names in k order, a slot without a row here (dropped) as a
+// zero row. Both weigh slot (t, k) by topk_weights[t, k]: the value the dispatch copied to
+// row_weights[row], read without waiting for the row.
 __device__ void combine_local_chunk(const MoeDims& d, const uint4* y, const int32_t* slot_rows,
-                                    const float* row_weights, const int32_t* send_dest,
-                                    const float* topk_weights, uint4* out, int t0, int t1) {
+                                    const int32_t* send_dest, const float* topk_weights,
+                                    uint4* out, int t0, int t1) {
   const int K = d.topk, C = d.capacity, chunks = d.hidden / 8;
   const int lane = lane_id(), warp = block_warp();
   const unsigned lanes_before = (1u << lane) - 1;
@@ -258,37 +259,29 @@ __device__ void combine_local_chunk(const MoeDims& d, const uint4* y, const int3
   for (int task = warp; task < tokens * parts; task += kExchangeWarps) {
     const int t = t0 + task / parts, part = task % parts;
     const bool sent = lane < K && send_dest[t * K + lane] == 0;
+    const float w = lane < K ? topk_weights[t * K + lane] : 0.f;
     int row = lane < K ? slot_rows[t * K + lane] : -1;
     if (row >= C || row < -1) row = -2;
     const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
     uint4* dst = out + size_t(t) * chunks;
-    float weight = 0.f;
-    int count;
+    // The slots summed, in k order: lane i takes the i-th one's row and weight.
+    const unsigned summed = __ballot_sync(kFullMask, d.reduce_expert ? row >= 0 : sent);
+    if ((summed >> lane) & 1) warp_rows[warp][__popc(summed & lanes_before)] = row;
+    __syncwarp();
+    const int count = __popc(summed);
+    const float weight = __shfl_sync(kFullMask, w, __fns(summed, 0, lane + 1) & 31);
     if (d.reduce_expert) {
-      const unsigned with_row = __ballot_sync(kFullMask, row >= 0);
-      count = __popc(with_row);
-      if (row >= 0) warp_rows[warp][__popc(with_row & lanes_before)] = row;
-      __syncwarp();
-      if (lane < count) weight = row_weights[warp_rows[warp][lane]];
-      const bool summed = __ballot_sync(kFullMask, sent) != 0;
+      const bool to_rank = __ballot_sync(kFullMask, sent) != 0;
       sum_weighted_rows(y, chunks, warp_rows[warp], count, weight, begin, end,
                         [&](int c, const float acc[8]) {
         float p[8];
         if (d.partial_bf16) bf16x8_to_f32(f32_to_bf16x8(acc), p);
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-          p[i] = summed ? __fadd_rn(0.f, d.partial_bf16 ? p[i] : acc[i]) : 0.f;
+          p[i] = to_rank ? __fadd_rn(0.f, d.partial_bf16 ? p[i] : acc[i]) : 0.f;
         dst[c] = f32_to_bf16x8(p);
       });
-    } else {
-      const unsigned summed = __ballot_sync(kFullMask, sent);
-      count = __popc(summed);
-      const float w = sent ? topk_weights[t * K + lane] : 0.f;
-      const int i = __popc(summed & lanes_before);
-      if (sent) warp_rows[warp][i] = row;  // -1 / -2: a zero row
-      __syncwarp();
-      // Lane i takes the weight of the i-th summed slot.
-      weight = __shfl_sync(kFullMask, w, __fns(summed, 0, lane + 1) & 31);
+    } else {  // rows -1 / -2 of summed slots read as zero rows
       sum_weighted_rows(y, chunks, warp_rows[warp], count, weight, begin, end,
                         [&](int c, const float acc[8]) { dst[c] = f32_to_bf16x8(acc); });
     }
@@ -298,8 +291,8 @@ __device__ void combine_local_chunk(const MoeDims& d, const uint4* y, const int3
 
 __global__ void __launch_bounds__(kExchangeThreads, 1)
 combine_local_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
-                     const float* row_weights, int32_t* done, const int32_t* send_dest,
-                     const float* topk_weights, uint4* out) {
+                     const float* /*row_weights: topk_weights instead*/, int32_t* done,
+                     const int32_t* send_dest, const float* topk_weights, uint4* out) {
   const MoeDims& d = v.dims;
   const CallCounts calls = load_call_counts(v, kSeqCombineSend, kSeqCombineRecv);
   if (!in_call_order(v, calls, kPhaseBoth, kStageCombineSend, kStageCombineRecv)) return;
@@ -307,8 +300,8 @@ combine_local_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
   if (done && blockIdx.x == 0 && threadIdx.x == 0) *done = 0;
   for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
     const uint64_t seq = chunk_seq(v, kSeqCombineSend, c);
-    combine_local_chunk(d, y, slot_rows, row_weights, send_dest, topk_weights, out,
-                        chunk_begin(v, c), chunk_begin(v, c + 1));
+    combine_local_chunk(d, y, slot_rows, send_dest, topk_weights, out, chunk_begin(v, c),
+                        chunk_begin(v, c + 1));
     __syncthreads();
     finish_chunk(v, kSeqCombineSend, c, seq);
     finish_chunk(v, kSeqCombineRecv, c, seq);

@@ -55,12 +55,15 @@ struct SlotSink {
   TokenDests dests;
   size_t scales_at;
   __device__ void vector(int c, uint4 value) const {
+#pragma unroll 1
     for (int i = 0; i < dests.count; ++i) reinterpret_cast<uint4*>(dests.slot[i])[c] = value;
   }
   __device__ void codes(int c, uint2 value) const {
+#pragma unroll 1
     for (int i = 0; i < dests.count; ++i) reinterpret_cast<uint2*>(dests.slot[i])[c] = value;
   }
   __device__ void scale(int b, float value) const {
+#pragma unroll 1
     for (int i = 0; i < dests.count; ++i)
       reinterpret_cast<float*>(dests.slot[i] + scales_at)[b] = value;
   }
@@ -77,13 +80,16 @@ struct RowSink {
   int row_vectors;
   int nb;
   __device__ void vector(int c, uint4 value) const {
+#pragma unroll 1
     for (int i = 0; i < count; ++i) x[size_t(rows[i]) * row_vectors + c] = value;
   }
   __device__ void codes(int c, uint2 value) const {
+#pragma unroll 1
     for (int i = 0; i < count; ++i)
       reinterpret_cast<uint2*>(x)[size_t(rows[i]) * row_vectors * 2 + c] = value;
   }
   __device__ void scale(int b, float value) const {
+#pragma unroll 1
     for (int i = 0; i < count; ++i) scales[size_t(rows[i]) * nb + b] = value;
   }
 };
@@ -320,24 +326,18 @@ __device__ inline int row_parts(const MoeDims& d, TokenInput input, int tokens) 
   return max(1, min(want, most));
 }
 
-// Part `part` of `parts` (row_parts) of token t's row to `sink`, in the form `input` asks for:
-// quantized on the way (`ring`: this warp's kSendRingVectors * 32 vectors of shared memory),
-// or fp8 / bf16 as given. One warp.
-template <typename Sink>
-__device__ void send_token_part(const MoeDims& d, TokenInput input, const void* x,
-                                const float* x_scales, int t, int part, int parts,
-                                const Sink& sink, uint4* ring) {
+// Part `part` of `parts` (row_parts) of token t's row to `sink`, in the form kInput asks for:
+// quantized on the way (kCPL vectors a lane per scale block, send_quantized; `ring`: this
+// warp's kSendRingVectors * 32 vectors of shared memory), or fp8 / bf16 as given. One warp.
+template <TokenInput kInput, int kCPL, typename Sink>
+__device__ void send_token_part(const MoeDims& d, const void* x, const float* x_scales, int t,
+                                int part, int parts, const Sink& sink, uint4* ring) {
   const int H = d.hidden, nb = H / d.block_size;
   const int b_begin = part_begin(nb, part, parts), b_end = part_begin(nb, part + 1, parts);
-  if (input == kInputBf16Quantize) {
+  if constexpr (kInput == kInputBf16Quantize) {
     const uint4* row = static_cast<const uint4*>(x) + size_t(t) * (H / 8);
-    switch (d.block_size / 8 / min(d.block_size / 8, 32)) {  // vectors per lane per block
-      case 1: send_quantized<1>(d, row, sink, b_begin, b_end, ring); break;
-      case 2: send_quantized<2>(d, row, sink, b_begin, b_end, ring); break;
-      case 4: send_quantized<4>(d, row, sink, b_begin, b_end, ring); break;
-      default: send_quantized<8>(d, row, sink, b_begin, b_end, ring); break;
-    }
-  } else if (input == kInputFp8) {
+    send_quantized<kCPL>(d, row, sink, b_begin, b_end, ring);
+  } else if constexpr (kInput == kInputFp8) {
     // A part covers whole scale blocks, codes and scales (parts > 1 only when a block is a
     // whole number of 16-byte vectors).
     const int per_block = d.block_size / 16;
@@ -358,13 +358,14 @@ __device__ inline uint4* warp_ring(int32_t* smem) {
 
 // Send phase of one chunk: the rows of tokens [t0, t1) (those < ntok), one warp per (token,
 // part of its row).
+template <TokenInput kInput, int kCPL>
 __device__ void send_chunk(const CommView& v, const NvlinkLayout& lay, uint64_t seq,
-                           TokenInput input, const void* x, const float* x_scales,
-                           const int32_t* topk_ids, int t0, int t1, int32_t* smem) {
+                           const void* x, const float* x_scales, const int32_t* topk_ids,
+                           int t0, int t1, int32_t* smem) {
   const MoeDims& d = v.dims;
   const int K = d.topk, lane = lane_id();
   const int tokens = max(0, t1 - t0);
-  const int parts = row_parts(d, input, tokens);
+  const int parts = row_parts(d, kInput, tokens);
   for (int task = block_warp(); task < tokens * parts; task += kExchangeWarps) {
     const int t = t0 + task / parts, part = task % parts;
     int dest = -1;
@@ -379,7 +380,7 @@ __device__ void send_chunk(const CommView& v, const NvlinkLayout& lay, uint64_t 
     }
     if (!dest_mask) continue;
     const SlotSink sink{token_dests(v, lay, seq, dest_mask, t), size_t(d.hidden)};
-    send_token_part(d, input, x, x_scales, t, part, parts, sink, warp_ring(smem));
+    send_token_part<kInput, kCPL>(d, x, x_scales, t, part, parts, sink, warp_ring(smem));
   }
 }
 
@@ -560,12 +561,23 @@ __device__ void place_chunk(const CommView& v, const NvlinkLayout& lay, const ch
 
 // Dynamic shared memory of the world-1 kernel, from byte 0: the send ring (kSendRingBytes),
 // the segments (place_smem_bytes), running[E] (slots of each expert before the block's
-// current position), then the rows of the chunk being placed ([kLocalChunkSlots]; a larger
-// chunk reads them back from slot_rows).
+// current position), then for the chunk being placed its rows, ids and weights
+// ([kLocalChunkSlots] each; a larger chunk reads them from global memory).
 constexpr int kLocalChunkSlots = 1024;
 
 size_t local_dispatch_smem_bytes(const MoeDims& d) {
-  return kSendRingBytes + place_smem_bytes(d) + 4 * (size_t(d.num_experts) + kLocalChunkSlots);
+  return kSendRingBytes + place_smem_bytes(d) +
+         4 * (size_t(d.num_experts) + 3 * kLocalChunkSlots);
+}
+
+// The ids and weights of slots [begin, end) into shared memory, all threads (every slot of
+// a chunk is inside [0, T * K); whether it holds a token is the ranking's to judge).
+__device__ void stage_chunk(const int32_t* ids, const float* weights, int begin, int end,
+                            int32_t* chunk_ids, float* chunk_w) {
+  for (int j = begin + threadIdx.x; j < end; j += blockDim.x) {
+    chunk_ids[j - begin] = ids[j];
+    chunk_w[j - begin] = weights[j];
+  }
 }
 
 // Counts slots j in [from, to) (only those < n hold a token) per expert: every one into
@@ -580,13 +592,13 @@ __device__ void count_slots(const MoeDims& d, const int32_t* ids, int from, int 
     if (total) atomicAdd(total + id, 1);
     if (j < split) atomicAdd(before + id, 1);
   };
-  // Four ids a load, four loads in flight per thread, where the buffer is 16-byte aligned.
+  // Four ids a load, eight loads in flight per thread, where the buffer is 16-byte aligned.
   int head = to;
   if ((reinterpret_cast<uintptr_t>(ids) & 15) == 0) head = min(to, (from + 3) & ~3);
   for (int j = from + threadIdx.x; j < head; j += blockDim.x) count(j, ids[j]);
   const int quads = head < to ? (to - head) / 4 : 0;
   const int4* q = reinterpret_cast<const int4*>(ids + head);
-  constexpr int kLoads = 4;
+  constexpr int kLoads = 8;
   for (int i0 = threadIdx.x; i0 < quads; i0 += kLoads * blockDim.x) {
     int4 w[kLoads];
 #pragma unroll
@@ -609,9 +621,10 @@ __device__ void count_slots(const MoeDims& d, const int32_t* ids, int from, int 
 // Warp 0 gives the slots [t0 * K, t1 * K) their rows in (t, k) order: slot j of expert e is
 // row first_row[e] + running[e] (running moves on), -2 past capacity, -1 for no token or an
 // invalid id (recorded); it writes slot_rows, send_dest and the rows' weights, and the rows
-// into `chunk_rows` (shared memory) when the chunk fits.
+// into `chunk_rows` (shared memory) when the chunk fits. `ids` and `weights` hold the chunk's
+// slots from slot t0 * K on (staged in shared memory when the chunk fits).
 __device__ void rank_local_chunk(const CommView& v, const Segments& g, int32_t* running,
-                                 const int32_t* ids, const float* topk_weights, int n, int t0,
+                                 const int32_t* ids, const float* weights, int n, int t0,
                                  int t1, int32_t* send_dest, float* weights_out,
                                  int32_t* slot_rows, int32_t* chunk_rows) {
   if (block_warp() != 0) return;
@@ -622,7 +635,7 @@ __device__ void rank_local_chunk(const CommView& v, const Segments& g, int32_t* 
   const unsigned lanes_before = (1u << lane) - 1;
   for (int j0 = begin; j0 < end; j0 += 32) {
     const int j = j0 + lane;
-    int id = j < end && j < n ? ids[j] : -1;
+    int id = j < end && j < n ? ids[j - begin] : -1;
     if (id < -1 || id >= E) {
       record_error(v, kInvalidExpertId, kStageDispatchSend, id);
       id = -1;
@@ -641,20 +654,21 @@ __device__ void rank_local_chunk(const CommView& v, const Segments& g, int32_t* 
     }
     slot_rows[j] = row;
     send_dest[j] = id >= 0 ? 0 : -1;
-    if (row >= 0) weights_out[row] = topk_weights[j];
+    if (row >= 0) weights_out[row] = weights[j - begin];
     if (cached) chunk_rows[j - begin] = row;
   }
 }
 
 // Every token t in [t0, t1) with a row goes to its rows, one warp per (token, part of its
 // row); `rows` holds the chunk's slot rows from slot t0 * K on.
-__device__ void place_local_chunk(const MoeDims& d, TokenInput input, const void* x,
-                                  const float* x_scales, const int32_t* rows, int t0, int t1,
-                                  void* x_out, float* scales_out, int32_t* smem) {
+template <TokenInput kInput, int kCPL>
+__device__ void place_local_chunk(const MoeDims& d, const void* x, const float* x_scales,
+                                  const int32_t* rows, int t0, int t1, void* x_out,
+                                  float* scales_out, int32_t* smem) {
   const int K = d.topk, lane = lane_id(), warp = block_warp();
   __shared__ int32_t warp_rows[kExchangeWarps][32];
   const int tokens = max(0, t1 - t0);
-  const int parts = row_parts(d, input, tokens);
+  const int parts = row_parts(d, kInput, tokens);
   const int row_vectors = d.fp8 ? d.hidden / 16 : d.hidden / 8;
   for (int task = warp; task < tokens * parts; task += kExchangeWarps) {
     const int t = t0 + task / parts, part = task % parts;
@@ -665,15 +679,16 @@ __device__ void place_local_chunk(const MoeDims& d, TokenInput input, const void
     __syncwarp();
     const RowSink sink{static_cast<uint4*>(x_out), scales_out, warp_rows[warp],
                        __popc(placed), row_vectors, scale_blocks(d)};
-    send_token_part(d, input, x, x_scales, t, part, parts, sink, warp_ring(smem));
+    send_token_part<kInput, kCPL>(d, x, x_scales, t, part, parts, sink, warp_ring(smem));
     __syncwarp();
   }
 }
 
 // The fused dispatch at world 1 (outputs as dispatch_kernel's). Block b handles chunks b, b +
 // grid, ...; the counters still move as the fused op's, so halves may follow.
+template <TokenInput kInput, int kCPL>
 __global__ void __launch_bounds__(kExchangeThreads, 1)
-dispatch_local_kernel(CommView v, TokenInput input, const void* x, const float* x_scales,
+dispatch_local_kernel(CommView v, const void* x, const float* x_scales,
                       const int32_t* topk_ids, const float* topk_weights,
                       const int32_t* num_tokens, int32_t* send_dest, void* x_out,
                       float* scales_out, float* weights_out, int32_t* group_sizes,
@@ -684,15 +699,22 @@ dispatch_local_kernel(CommView v, TokenInput input, const void* x, const float* 
   Segments g = segments_at(d, smem + kSendRingBytes / 4);
   int32_t* running = g.ntok + 1;
   int32_t* chunk_rows = running + E;
+  int32_t* chunk_ids = chunk_rows + kLocalChunkSlots;
+  float* chunk_w = reinterpret_cast<float*>(chunk_ids + kLocalChunkSlots);
   clock_mark(v, kClockDispatch, kMarkSendStart);
   const CallCounts calls = load_call_counts(v, kSeqDispatchSend, kSeqDispatchRecv);
   const int given = *num_tokens;
+  // The first chunk's ids and weights travel with the counting's loads, so its ranking reads
+  // shared memory only.
+  const int first = chunk_begin(v, blockIdx.x) * K;
+  const int first_end = chunk_begin(v, blockIdx.x + 1) * K;
+  if (first_end - first <= kLocalChunkSlots)
+    stage_chunk(topk_ids, topk_weights, first, first_end, chunk_ids, chunk_w);
   for (int e = threadIdx.x; e < E; e += blockDim.x) g.first_row[e] = running[e] = 0;
   __syncthreads();
   const int ntok = min(max(given, 0), d.max_tokens), n = ntok * K;
   // The counts into g.first_row (a source's row counts, as finish_segments takes them) and
   // those before this block's first chunk into running.
-  const int first = chunk_begin(v, blockIdx.x) * K;
   count_slots(d, topk_ids, 0, d.max_tokens * K, n, first, g.first_row, running);
   if (threadIdx.x == 0) g.ntok[0] = ntok;
   __syncthreads();
@@ -709,18 +731,20 @@ dispatch_local_kernel(CommView v, TokenInput input, const void* x, const float* 
   for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
     const uint64_t seq = chunk_seq(v, kSeqDispatchSend, c);
     const int t0 = chunk_begin(v, c), t1 = chunk_begin(v, c + 1);
-    if (counted < t0 * K) {  // a later chunk of this block: the slots in between
+    const bool cached = (t1 - t0) * K <= kLocalChunkSlots;
+    if (c != blockIdx.x) {  // a later chunk of this block: the slots in between, its ids
       count_slots(d, topk_ids, counted, t0 * K, n, t0 * K, nullptr, running);
+      if (cached) stage_chunk(topk_ids, topk_weights, t0 * K, t1 * K, chunk_ids, chunk_w);
       __syncthreads();
     }
-    rank_local_chunk(v, g, running, topk_ids, topk_weights, n, t0, t1, send_dest, weights_out,
-                     slot_rows, chunk_rows);
+    rank_local_chunk(v, g, running, cached ? chunk_ids : topk_ids + t0 * K,
+                     cached ? chunk_w : topk_weights + t0 * K, n, t0, t1, send_dest,
+                     weights_out, slot_rows, chunk_rows);
     counted = t1 * K;
     __syncthreads();
     if (c == blockIdx.x) clock_mark(v, kClockDispatch, kMarkRanked);
-    const bool cached = (t1 - t0) * K <= kLocalChunkSlots;
-    place_local_chunk(d, input, x, x_scales, cached ? chunk_rows : slot_rows + t0 * K, t0,
-                      min(t1, ntok), x_out, scales_out, smem);
+    place_local_chunk<kInput, kCPL>(d, x, x_scales, cached ? chunk_rows : slot_rows + t0 * K,
+                                    t0, min(t1, ntok), x_out, scales_out, smem);
     __syncthreads();
     finish_chunk(v, kSeqDispatchSend, c, seq);
     finish_chunk(v, kSeqDispatchRecv, c, seq);
@@ -728,11 +752,11 @@ dispatch_local_kernel(CommView v, TokenInput input, const void* x, const float* 
   clock_mark(v, kClockDispatch, kMarkRecvDone);
 }
 
-// Block b handles chunks b, b + grid, ... of each phase it runs. One instance per phase set,
-// so a profile names the halves apart and each carries only its own code.
-template <int kPhases>
+// Block b handles chunks b, b + grid, ... of each phase it runs. One instance per phase set
+// and send kind, so a profile names the halves apart and each carries only its own code.
+template <int kPhases, TokenInput kInput, int kCPL>
 __global__ void __launch_bounds__(kExchangeThreads, 1)
-dispatch_kernel(CommView v, TokenInput input, const void* x,
+dispatch_kernel(CommView v, const void* x,
                 const float* x_scales, const int32_t* topk_ids, const float* topk_weights,
                 const int32_t* num_tokens, int32_t* send_dest, void* x_out, float* scales_out,
                 float* weights_out, int32_t* group_sizes, int32_t* tokens_per_expert,
@@ -758,8 +782,8 @@ dispatch_kernel(CommView v, TokenInput input, const void* x,
       clock_mark(v, kClockDispatch, kMarkRouted);
     }
     for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
-      send_chunk(v, lay, seq, input, x, x_scales, topk_ids, chunk_begin(v, c),
-                 min(chunk_begin(v, c + 1), ntok), smem);
+      send_chunk<kInput, kCPL>(v, lay, seq, x, x_scales, topk_ids, chunk_begin(v, c),
+                               min(chunk_begin(v, c + 1), ntok), smem);
       signal_peers(v, lay.rows_flag, d.rank * v.chunks + c, seq);
       finish_chunk(v, kSeqDispatchSend, c, seq);
     }
@@ -799,6 +823,43 @@ size_t dispatch_smem_bytes(const MoeDims& d) {
   return std::max({route, place, kSendRingBytes});
 }
 
+// The kernels of one launch kind for each send kind (token input, quantization width): a block
+// runs the code of one kind only, not every kind's inlined (the v2.1 send kernel was 207 KB
+// of SASS and the world-1 kernel 383 KB, and a decode block runs its path once, cold).
+using DispatchKernel = void (*)(CommView, const void*, const float*, const int32_t*,
+                                const float*, const int32_t*, int32_t*, void*, float*, float*,
+                                int32_t*, int32_t*, int32_t*);
+
+template <int kPhases>
+struct BufferKernels {
+  template <TokenInput kInput, int kCPL>
+  static DispatchKernel get() { return dispatch_kernel<kPhases, kInput, kCPL>; }
+};
+
+struct LocalKernels {
+  template <TokenInput kInput, int kCPL>
+  static DispatchKernel get() { return dispatch_local_kernel<kInput, kCPL>; }
+};
+
+// Vectors a lane quantizes per scale block (send_quantized's CPL): block_size / 8 vectors over
+// at most 32 lanes.
+int quantize_cpl(const MoeDims& d) {
+  const int vectors = d.block_size / 8;
+  return vectors / std::min(vectors, 32);
+}
+
+template <typename Kernels>
+DispatchKernel pick_send(TokenInput input, const MoeDims& d) {
+  if (input == kInputBf16) return Kernels::template get<kInputBf16, 1>();
+  if (input == kInputFp8) return Kernels::template get<kInputFp8, 1>();
+  switch (quantize_cpl(d)) {
+    case 1: return Kernels::template get<kInputBf16Quantize, 1>();
+    case 2: return Kernels::template get<kInputBf16Quantize, 2>();
+    case 4: return Kernels::template get<kInputBf16Quantize, 4>();
+    default: return Kernels::template get<kInputBf16Quantize, 8>();
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_dispatch(const CommView& view, int phases, TokenInput input, const void* x,
@@ -809,18 +870,20 @@ cudaError_t launch_dispatch(const CommView& view, int phases, TokenInput input, 
                             int32_t* tokens_per_expert, int32_t* slot_rows,
                             cudaStream_t stream) {
   const bool local = phases == kPhaseBoth && view.dims.world == 1;
-  auto kernel = local                  ? dispatch_local_kernel
-                : phases == kPhaseSend ? dispatch_kernel<kPhaseSend>
-                : phases == kPhaseRecv ? dispatch_kernel<kPhaseRecv>
-                                       : dispatch_kernel<kPhaseBoth>;
+  const DispatchKernel kernel = local                  ? pick_send<LocalKernels>(input, view.dims)
+                                : phases == kPhaseSend ? pick_send<BufferKernels<kPhaseSend>>(
+                                                             input, view.dims)
+                                : phases == kPhaseRecv ? dispatch_kernel<kPhaseRecv, kInputBf16, 1>
+                                                       : pick_send<BufferKernels<kPhaseBoth>>(
+                                                             input, view.dims);
   const size_t smem = local ? local_dispatch_smem_bytes(view.dims) : dispatch_smem_bytes(view.dims);
   // Above 48 KiB a kernel must opt in (per device; cheap, and allowed during graph capture).
   const cudaError_t opt_in =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (opt_in != cudaSuccess) return opt_in;
   kernel<<<view.grid, kExchangeThreads, smem, stream>>>(
-      view, input, x, x_scales, topk_ids, topk_weights, num_tokens, send_dest, x_out,
-      scales_out, weights_out, group_sizes, tokens_per_expert, slot_rows);
+      view, x, x_scales, topk_ids, topk_weights, num_tokens, send_dest, x_out, scales_out,
+      weights_out, group_sizes, tokens_per_expert, slot_rows);
   return cudaGetLastError();
 }
 
