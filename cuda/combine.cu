@@ -26,17 +26,16 @@ __device__ inline int hidden_parts(const MoeDims& d, int items) {
   return max(1, min(want, d.hidden / 8 / 32));
 }
 
-// The warp's vectors [begin, end) of sum over i < count of w_i * y[rows[i]], in i order from
-// +0 in f32 with both roundings explicit; store(c, acc) takes vector c's eight sums. `rows`
-// is a per-warp table in shared memory (rows[i] < 0: a zero row, whose w_i * 0 still enters
-// the sum, as the zero rows the source mode sends do); lane i (< count <= 32) holds w_i in
-// `weight`. Each lane sums kChunksPerLane vectors at once: up to kBatch * kChunksPerLane
-// loads in flight before the sums. The loop bound is the warp's, not the lane's: every lane
-// must reach the weight shuffle (a lane past `end` with a row of fewer than 32 vectors,
-// hidden 128, left it waiting for ever).
-template <typename Store>
-__device__ void sum_weighted_rows(const uint4* y, int chunks, const int32_t* rows, int count,
-                                  float weight, int begin, int end, Store store) {
+// The warp's vectors [begin, end) of sum over i < count of w_i * row_i, in i order from +0 in
+// f32 with both roundings explicit; load(i, c) gives vector c of row i, store(c, acc) takes
+// vector c's eight sums; lane i (< count <= 32) holds w_i in `weight`. Each lane sums
+// kChunksPerLane vectors at once: up to kBatch * kChunksPerLane loads in flight before the
+// sums. The loop bound is the warp's, not the lane's: every lane must reach the weight
+// shuffle (a lane past `end` with a row of fewer than 32 vectors, hidden 128, left it waiting
+// for ever).
+template <typename Load, typename Store>
+__device__ void sum_weighted_rows(int count, float weight, int begin, int end, Load load,
+                                  Store store) {
   const int lane = lane_id();
   for (int base = begin; base < end; base += 32 * kChunksPerLane) {
     const int c0 = base + lane;
@@ -50,11 +49,9 @@ __device__ void sum_weighted_rows(const uint4* y, int chunks, const int32_t* row
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         if (i0 + u >= count) continue;
-        const int row = rows[i0 + u];
 #pragma unroll
         for (int j = 0; j < kChunksPerLane; ++j)
-          if (c0 + 32 * j < end)
-            vals[u][j] = row >= 0 ? y[size_t(row) * chunks + c0 + 32 * j] : make_uint4(0, 0, 0, 0);
+          if (c0 + 32 * j < end) vals[u][j] = load(i0 + u, c0 + 32 * j);
       }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
@@ -74,6 +71,19 @@ __device__ void sum_weighted_rows(const uint4* y, int chunks, const int32_t* row
       if (c0 + 32 * j < end) store(c0 + 32 * j, acc[j]);
   }
 }
+
+// load() of sum_weighted_rows for rows of y [C][chunks] listed in a per-warp table in shared
+// memory; rows[i] < 0 is a zero row, whose w_i * 0 still enters the sum, as the zero rows the
+// source mode sends do.
+struct TableRows {
+  const uint4* y;
+  int chunks;
+  const int32_t* rows;
+  __device__ uint4 operator()(int i, int c) const {
+    const int row = rows[i];
+    return row >= 0 ? y[size_t(row) * chunks + c] : make_uint4(0, 0, 0, 0);
+  }
+};
 
 // Vector c of a partial sum, in the partial dtype, into the row at `dst`.
 __device__ inline void store_partial(const MoeDims& d, char* dst, int c, const float acc[8]) {
@@ -146,7 +156,7 @@ __device__ void send_partials(const CommView& v, const NvlinkLayout& lay, uint64
     char* dst = parity_region(block_peers[s], lay, seq) + lay.combine +
                 (size_t(me) * T + t) * d.hidden * pbytes;
     const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
-    sum_weighted_rows(y, chunks, warp_rows[warp], rows_here, weight, begin, end,
+    sum_weighted_rows(rows_here, weight, begin, end, TableRows{y, chunks, warp_rows[warp]},
                       [&](int c, const float acc[8]) { store_partial(d, dst, c, acc); });
     __syncwarp();
   }
@@ -163,78 +173,68 @@ __device__ void sum_chunk(const CommView& v, const char* region, const NvlinkLay
   const int lane = lane_id(), warp = block_warp();
   const int tokens = t1 - t0;
   const int parts = hidden_parts(d, tokens);
-  __shared__ int32_t warp_dest[kExchangeWarps][32];
-  __shared__ float warp_weights[kExchangeWarps][32];
+  __shared__ int32_t warp_dest[kExchangeWarps][32];  // expert mode: each slot's rank
+  __shared__ int32_t warp_k[kExchangeWarps][32];     // source mode: the slots summed, in k order
   const uint4* comb = reinterpret_cast<const uint4*>(region + lay.combine);
   for (int task = warp; task < tokens * parts; task += kExchangeWarps) {
     const int t = t0 + task / parts, part = task % parts;
     int dest = lane < K ? send_dest[t * K + lane] : -1;
     if (dest < 0 || dest >= R) dest = -1;
+    const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
+    uint4* dst = out + size_t(t) * chunks;
+    if (!d.reduce_expert) {
+      // The slots with a rank, in k order: lane i takes the i-th one's k and weight.
+      const float w = lane < K ? topk_weights[t * K + lane] : 0.f;
+      const bool sent = dest >= 0;
+      const unsigned summed = __ballot_sync(kFullMask, sent);
+      if (sent) warp_k[warp][__popc(summed & ((1u << lane) - 1))] = lane;
+      __syncwarp();
+      const float weight = __shfl_sync(kFullMask, w, __fns(summed, 0, lane + 1) & 31);
+      const uint4* token_rows = comb + size_t(t) * K * chunks;  // [k][chunks]
+      sum_weighted_rows(__popc(summed), weight, begin, end,
+                        [&](int i, int c) {
+                          return __ldcg(token_rows + size_t(warp_k[warp][i]) * chunks + c);
+                        },
+                        [&](int c, const float acc[8]) { dst[c] = f32_to_bf16x8(acc); });
+      __syncwarp();
+      continue;
+    }
     warp_dest[warp][lane] = dest;
-    warp_weights[warp][lane] = lane < K ? topk_weights[t * K + lane] : 0.f;
     __syncwarp();
     uint64_t ranks = 0;
     for (int k = 0; k < K; ++k)
       if (warp_dest[warp][k] >= 0) ranks |= 1ull << warp_dest[warp][k];
-    const int begin = part_begin(chunks, part, parts), end = part_begin(chunks, part + 1, parts);
-    // Each lane sums kChunksPerLane vectors at once (twice the loads in flight); every element
-    // is still summed in k order (source mode) or rank order (expert mode) from 0.
+    // Expert mode: each lane sums kChunksPerLane vectors at once (twice the loads in flight);
+    // every element is still summed in rank order from 0.
     for (int c0 = begin + lane; c0 < end; c0 += 32 * kChunksPerLane) {
       float acc[kChunksPerLane][8];
 #pragma unroll
       for (int j = 0; j < kChunksPerLane; ++j)
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
-      if (!d.reduce_expert) {
-        for (int k0 = 0; k0 < K; k0 += kBatch) {
-          uint4 rows[kBatch][kChunksPerLane];
+      for (int p = 0; p < R; ++p) {
+        if (!((ranks >> p) & 1)) continue;
+        const size_t part_row = size_t(p) * T + t;
 #pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            if (k0 + u >= K || warp_dest[warp][k0 + u] < 0) continue;
-            const uint4* src = comb + (size_t(t) * K + k0 + u) * chunks;
-#pragma unroll
-            for (int j = 0; j < kChunksPerLane; ++j)
-              if (c0 + 32 * j < end) rows[u][j] = __ldcg(src + c0 + 32 * j);
+        for (int j = 0; j < kChunksPerLane; ++j) {
+          const int c = c0 + 32 * j;
+          if (c >= end) continue;
+          float f[8];
+          if (d.partial_bf16) {
+            bf16x8_to_f32(__ldcg(comb + part_row * chunks + c), f);
+          } else {
+            const float4* src = reinterpret_cast<const float4*>(comb) + (part_row * chunks + c) * 2;
+            const float4 a = __ldcg(src), b = __ldcg(src + 1);
+            f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+            f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
           }
 #pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            if (k0 + u >= K || warp_dest[warp][k0 + u] < 0) continue;
-            const float w = warp_weights[warp][k0 + u];
-#pragma unroll
-            for (int j = 0; j < kChunksPerLane; ++j) {
-              if (c0 + 32 * j >= end) continue;
-              float f[8];
-              bf16x8_to_f32(rows[u][j], f);
-              accumulate_scaled(acc[j], w, f);
-            }
-          }
-        }
-      } else {
-        for (int p = 0; p < R; ++p) {
-          if (!((ranks >> p) & 1)) continue;
-          const size_t part_row = size_t(p) * T + t;
-#pragma unroll
-          for (int j = 0; j < kChunksPerLane; ++j) {
-            const int c = c0 + 32 * j;
-            if (c >= end) continue;
-            float f[8];
-            if (d.partial_bf16) {
-              bf16x8_to_f32(__ldcg(comb + part_row * chunks + c), f);
-            } else {
-              const float4* src =
-                  reinterpret_cast<const float4*>(comb) + (part_row * chunks + c) * 2;
-              const float4 a = __ldcg(src), b = __ldcg(src + 1);
-              f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-              f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-            }
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[j][i] = __fadd_rn(acc[j][i], f[i]);
-          }
+          for (int i = 0; i < 8; ++i) acc[j][i] = __fadd_rn(acc[j][i], f[i]);
         }
       }
 #pragma unroll
       for (int j = 0; j < kChunksPerLane; ++j)
-        if (c0 + 32 * j < end) out[size_t(t) * chunks + c0 + 32 * j] = f32_to_bf16x8(acc[j]);
+        if (c0 + 32 * j < end) dst[c0 + 32 * j] = f32_to_bf16x8(acc[j]);
     }
     __syncwarp();
   }
@@ -272,7 +272,7 @@ __device__ void combine_local_chunk(const MoeDims& d, const uint4* y, const int3
     const float weight = __shfl_sync(kFullMask, w, __fns(summed, 0, lane + 1) & 31);
     if (d.reduce_expert) {
       const bool to_rank = __ballot_sync(kFullMask, sent) != 0;
-      sum_weighted_rows(y, chunks, warp_rows[warp], count, weight, begin, end,
+      sum_weighted_rows(count, weight, begin, end, TableRows{y, chunks, warp_rows[warp]},
                         [&](int c, const float acc[8]) {
         float p[8];
         if (d.partial_bf16) bf16x8_to_f32(f32_to_bf16x8(acc), p);
@@ -282,7 +282,7 @@ __device__ void combine_local_chunk(const MoeDims& d, const uint4* y, const int3
         dst[c] = f32_to_bf16x8(p);
       });
     } else {  // rows -1 / -2 of summed slots read as zero rows
-      sum_weighted_rows(y, chunks, warp_rows[warp], count, weight, begin, end,
+      sum_weighted_rows(count, weight, begin, end, TableRows{y, chunks, warp_rows[warp]},
                         [&](int c, const float acc[8]) { dst[c] = f32_to_bf16x8(acc); });
     }
     __syncwarp();
