@@ -106,8 +106,8 @@ constexpr int kRouteUnroll = 4;  // slots per lane loaded at once (one pass at 2
 //     the last part also has every expert's total and sends it to the expert's rank as this
 //     source's row count;
 // (c) every warp goes over its piece again in order: slot j's rank = the warp's running count
-//     for its expert + the lanes before it with the same expert. The code rank * L + e goes to
-//     the expert's rank, -1 to every other rank.
+//     for its expert + the lanes before it with the same expert. The record {seq, rank * L +
+//     e, weight} goes to the expert's rank only (the slots region of cuda/nvlink_layout.cuh).
 __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t seq, int part,
                             const int32_t* topk_ids, const float* topk_weights, int ntok,
                             int32_t* send_dest, int32_t* table) {
@@ -206,16 +206,12 @@ __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t
         if (id[u] >= 0 && before == 0) mine[id[u]] = running + __popc(same);
         __syncwarp();
         if (j >= end) continue;
-        const int dest = id[u] >= 0 ? id[u] / L : -1;
+        if (id[u] < 0) continue;
         const size_t slot = size_t(me) * d.max_tokens * K + j;  // [s][t][k]
-        for (int p = 0; p < R; ++p) {
-          char* region = parity_region(block_peers[p], lay, seq);
-          reinterpret_cast<int32_t*>(region + lay.slot_code)[slot] =
-              p == dest ? (running + before) * L + id[u] % L : -1;
-        }
-        if (dest >= 0)
-          reinterpret_cast<float*>(parity_region(block_peers[dest], lay, seq) + lay.weights)[slot] =
-              weight[u];
+        const uint32_t code = (running + before) * L + id[u] % L;
+        char* region = parity_region(block_peers[id[u] / L], lay, seq);
+        reinterpret_cast<uint4*>(region + lay.slots)[slot] =
+            make_uint4(uint32_t(seq), uint32_t(seq >> 32), code, __float_as_uint(weight[u]));
       }
     }
   }
@@ -501,8 +497,8 @@ __device__ void write_segments(const CommView& v, const Segments& g, void* x_out
 // Receive phase of one chunk: tokens [t0, t1) of every source, one warp per (source, token,
 // part of its row): its slots' rows (slot_rows, weights), and its row copied to each of them.
 __device__ void place_chunk(const CommView& v, const NvlinkLayout& lay, const char* region,
-                            const Segments& g, int t0, int t1, void* x_out, float* scales_out,
-                            float* weights_out, int32_t* slot_rows) {
+                            uint64_t seq, const Segments& g, int t0, int t1, void* x_out,
+                            float* scales_out, float* weights_out, int32_t* slot_rows) {
   const MoeDims& d = v.dims;
   const int T = d.max_tokens, K = d.topk, L = d.local_experts, C = d.capacity;
   const int nb = scale_blocks(d), lane = lane_id(), warp = block_warp();
@@ -511,24 +507,26 @@ __device__ void place_chunk(const CommView& v, const NvlinkLayout& lay, const ch
   const int parts = max(1, min(max(1, row_chunks / 32),
                                (kExchangeWarps + d.world * tokens - 1) / max(1, d.world * tokens)));
   __shared__ int32_t warp_rows[kExchangeWarps][32];
-  const int32_t* codes = reinterpret_cast<const int32_t*>(region + lay.slot_code);
-  const float* route_w = reinterpret_cast<const float*>(region + lay.weights);
+  const uint4* records = reinterpret_cast<const uint4*>(region + lay.slots);
   uint4* x_rows = static_cast<uint4*>(x_out);
   for (int task = warp; task < d.world * tokens * parts; task += kExchangeWarps) {
     const int item = task / parts, part = task % parts;
     const int s = item / tokens, t = t0 + item % tokens;
     const size_t slot = (size_t(s) * T + t) * K + lane;
     int row = -1;
+    float weight = 0.f;
     if (lane < K && t < g.ntok[s]) {
-      const int code = __ldcg(codes + slot);
-      if (code >= 0) {
+      const uint4 record = __ldcg(records + slot);
+      if ((uint64_t(record.y) << 32 | record.x) == seq) {  // this call's: the slot comes here
+        const int code = int(record.z);
         row = g.first_row[s * L + code % L] + code / L;
         if (row >= C || row < 0) row = -2;  // dropped: capacity overflow
+        weight = __uint_as_float(record.w);
       }
     }
     if (part == 0 && lane < K) {
       slot_rows[slot] = row;
-      if (row >= 0) weights_out[row] = __ldcg(route_w + slot);
+      if (row >= 0) weights_out[row] = weight;
     }
     const unsigned placed = __ballot_sync(kFullMask, row >= 0);
     if (!placed) continue;
@@ -805,7 +803,7 @@ dispatch_kernel(CommView v, const void* x,
     for (int c = blockIdx.x; c < v.chunks; c += gridDim.x) {
       if (!wait_peers(v, lay.rows_flag, v.chunks, c, seq, kStageDispatchRecv)) return;
       if (c == blockIdx.x) clock_mark(v, kClockDispatch, kMarkDataSeen);
-      place_chunk(v, lay, region, g, chunk_begin(v, c), chunk_begin(v, c + 1), x_out,
+      place_chunk(v, lay, region, seq, g, chunk_begin(v, c), chunk_begin(v, c + 1), x_out,
                   scales_out, weights_out, slot_rows);
       __syncthreads();
       finish_chunk(v, kSeqDispatchRecv, c, seq);

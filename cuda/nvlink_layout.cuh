@@ -45,10 +45,13 @@ JAX_MOE_HD inline int route_blocks(const MoeDims& d, int chunks) {
 //   parity region [2], each:
 //     i32 num_tokens[R]        tokens sent by source s (clamped to [0, T])
 //     i32 counts[R][L]         rows of source s for local expert e
-//     i32 slot_code[R][T][K]   slot (t, k) of source s: rank * L + e when it goes to local
-//                              expert e here (rank: its place among the slots of s for that
-//                              expert, in (t, k) order), -1 when it does not come here
-//     f32 weights[R][T][K]     router weight of a slot that comes here
+//     slots[R][T][K]           16 bytes each {u64 seq, i32 code, f32 weight}: slot (t, k) of
+//                              source s, written only to the rank that holds it, with the
+//                              call's dispatch seq, code rank * L + e (local expert e; rank:
+//                              its place among the slots of s for that expert, in (t, k)
+//                              order) and its router weight. A record of any other seq (an
+//                              older call's, or none) means the slot does not come here, so
+//                              a source stores T * K records, not R * T * K codes.
 //     tokens[R][T]             token_bytes each: token t of source s, written only when t
 //                              has a slot here (a token crosses the link once per rank)
 //     combine                  source mode: bf16 [T][K][H], y row of this rank's slot (t, k);
@@ -64,8 +67,7 @@ struct NvlinkLayout {
   // offsets inside a parity region
   size_t num_tokens;
   size_t counts;
-  size_t slot_code;
-  size_t weights;
+  size_t slots;
   size_t tokens;
   size_t combine;
   size_t total;
@@ -83,9 +85,8 @@ JAX_MOE_HD inline NvlinkLayout nvlink_layout(const MoeDims& d, int chunks) {
   b.region = align_up(b.part_counts + 4 * B * size_t(d.num_experts), 256);
   b.num_tokens = 0;
   b.counts = align_up(b.num_tokens + 4 * R, 16);
-  b.slot_code = align_up(b.counts + 4 * R * L, 256);
-  b.weights = align_up(b.slot_code + 4 * R * T * K, 256);
-  b.tokens = align_up(b.weights + 4 * R * T * K, 256);
+  b.slots = align_up(b.counts + 4 * R * L, 256);
+  b.tokens = align_up(b.slots + 16 * R * T * K, 256);
   b.combine = align_up(b.tokens + R * T * token_bytes(d), 256);
   const size_t combine_bytes = d.reduce_expert ? R * T * H * partial_bytes(d) : T * K * H * 2;
   b.region_bytes = align_up(b.combine + combine_bytes, 256);
