@@ -227,7 +227,10 @@ __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t
 // registers at a time the warp waited for memory on every batch). The amax is an integer max
 // over bf16 bits (abs_max_bits); a block with a finite amax takes the two-values-per-
 // instruction conversion, one with Inf or NaN the per-value formula.
-template <int CPL, typename Sink>
+//
+// kStaged: `row` is already in shared memory (the world-1 kernel's staged chunk), so the warp
+// reads it there and `ring` is not used.
+template <int CPL, typename Sink, bool kStaged = false>
 __device__ void send_quantized(const MoeDims& d, const uint4* row, const Sink& sink,
                                int block_begin, int block_end, uint4* ring) {
   constexpr int kSteps = CPL < 4 ? 4 / CPL : 1;
@@ -243,6 +246,7 @@ __device__ void send_quantized(const MoeDims& d, const uint4* row, const Sink& s
   const int batches = (block_end - block_begin + batch_blocks - 1) / batch_blocks;
   // ring[(stage * kVectors + i) * 32 + lane]: a lane reads back only what it copied itself.
   auto issue = [&](int batch) {
+    if constexpr (kStaged) return;  // nothing to load
     if (batch < batches) {
       uint4* stage = ring + (batch % kStages) * kVectors * 32 + lane;
 #pragma unroll
@@ -262,7 +266,7 @@ __device__ void send_quantized(const MoeDims& d, const uint4* row, const Sink& s
   for (int i = 0; i < kStages - 1; ++i) issue(i);
   for (int batch = 0; batch < batches; ++batch) {
     issue(batch + kStages - 1);
-    copy_async_wait<kStages - 1>();
+    if constexpr (!kStaged) copy_async_wait<kStages - 1>();
     const uint4* stage = ring + (batch % kStages) * kVectors * 32 + lane;
     const int b0 = block_begin + batch * batch_blocks;
 #pragma unroll
@@ -275,7 +279,8 @@ __device__ void send_quantized(const MoeDims& d, const uint4* row, const Sink& s
 #pragma unroll
       for (int c = 0; c < CPL; ++c) {
         if (active) {
-          values[c] = stage[(s * CPL + c) * 32];
+          values[c] = kStaged ? row[b * chunks_per_block + sub + c * lanes_per_block]
+                              : stage[(s * CPL + c) * 32];
           pair = abs_max_bits(values[c], pair);
         }
       }
@@ -298,7 +303,7 @@ __device__ void send_quantized(const MoeDims& d, const uint4* row, const Sink& s
       if (sub == 0) sink.scale(b, scale);
     }
   }
-  copy_async_wait<0>();  // the ring is free for the warp's next task
+  if constexpr (!kStaged) copy_async_wait<0>();  // the ring is free for the warp's next task
 }
 
 // Hands 16-byte vectors [chunk_begin, chunk_end) of `row`, and floats [scale_begin,
@@ -682,6 +687,103 @@ __device__ void place_local_chunk(const MoeDims& d, const void* x, const float* 
   }
 }
 
+// A block's first chunk staged in shared memory (the send ring's bytes) when it fits: decode
+// sizes, a token or a few a block. Its x rows are loaded with cp.async when the kernel starts,
+// so the loads fly while the block counts; the warps that do not rank quantize them in shared
+// memory while warp 0 ranks; then every warp copies each staged row to its rows. Only the row
+// stores are left after the ranking (they were 4.3 us of the 8.2 at decode, at 2fc1d2c).
+// Byte offsets from the ring's start, for n tokens:
+//   in                   the chunk's x rows as given: bf16 [n][H], or fp8 codes [n][H]
+//   in_scales            fp8 input: its f32 scales [n][nb]
+//   out, out_scales      quantizing input: fp8 codes [n][H], f32 scales [n][nb]
+// (bf16 and fp8 inputs are staged in the form their output rows take.)
+struct StagedLayout {
+  size_t in_scales;
+  size_t out;
+  size_t out_scales;
+  size_t total;
+};
+
+__device__ inline StagedLayout staged_layout(const MoeDims& d, TokenInput input, int n) {
+  const size_t H = d.hidden, nb = d.hidden / d.block_size;
+  StagedLayout s;
+  s.in_scales = n * H * (input == kInputFp8 ? 1 : 2);
+  const size_t in_end = align_up(s.in_scales + (input == kInputFp8 ? 4 * n * nb : 0), 16);
+  const bool quantize = input == kInputBf16Quantize;
+  s.out = quantize ? in_end : 0;
+  s.out_scales = s.out + n * H;
+  s.total = quantize ? align_up(s.out_scales + 4 * n * nb, 16) : in_end;
+  return s;
+}
+
+// Starts the loads of tokens [t0, t0 + n)'s x rows (and fp8 scales) into `ring`; all
+// threads, one cp.async group each.
+template <TokenInput kInput>
+__device__ void stage_rows(const MoeDims& d, const void* x, const float* x_scales, int t0,
+                           int n, const StagedLayout& s, char* ring) {
+  const size_t row_bytes = size_t(d.hidden) * (kInput == kInputFp8 ? 1 : 2);
+  const uint4* rows = reinterpret_cast<const uint4*>(static_cast<const char*>(x) + t0 * row_bytes);
+  const int vectors = static_cast<int>(n * row_bytes / 16);
+  for (int i = threadIdx.x; i < vectors; i += blockDim.x)
+    copy_async16(reinterpret_cast<uint4*>(ring) + i, rows + i);
+  if constexpr (kInput == kInputFp8) {
+    const int nb = d.hidden / d.block_size;
+    float* scales = reinterpret_cast<float*>(ring + s.in_scales);
+    for (int i = threadIdx.x; i < n * nb; i += blockDim.x)
+      copy_async4(scales + i, x_scales + size_t(t0) * nb + i);
+  }
+  copy_async_commit();
+}
+
+// StagedSink writes one row of the staged chunk's quantized form (shared memory).
+struct StagedSink {
+  uint4* row;
+  float* row_scales;
+  __device__ void codes(int c, uint2 value) const { reinterpret_cast<uint2*>(row)[c] = value; }
+  __device__ void scale(int b, float value) const { row_scales[b] = value; }
+};
+
+// Warps [1, kExchangeWarps) quantize the n staged bf16 rows into their fp8 form (warp 0 is
+// ranking meanwhile), each a part of a row's scale blocks.
+template <int kCPL>
+__device__ void quantize_staged(const MoeDims& d, const StagedLayout& s, int n, char* ring) {
+  const int warps = kExchangeWarps - 1, warp = block_warp() - 1;
+  if (warp < 0) return;
+  const int H = d.hidden, nb = H / d.block_size;
+  const int parts = max(1, min(nb, (warps + n - 1) / n));
+  for (int task = warp; task < n * parts; task += warps) {
+    const int i = task / parts, part = task % parts;
+    const StagedSink sink{reinterpret_cast<uint4*>(ring + s.out + size_t(i) * H),
+                          reinterpret_cast<float*>(ring + s.out_scales) + i * nb};
+    const uint4* row = reinterpret_cast<const uint4*>(ring) + size_t(i) * (H / 8);
+    send_quantized<kCPL, StagedSink, true>(d, row, sink, part_begin(nb, part, parts),
+                                           part_begin(nb, part + 1, parts), nullptr);
+  }
+}
+
+// Every staged row (16-byte vectors `rows_in`, f32 `scales_in` [n][nb] or null) to each of
+// its slots' rows (`rows`: the chunk's slot rows, n * K), one warp per (slot, half a row).
+__device__ void place_staged_chunk(const MoeDims& d, const uint4* rows_in,
+                                   const float* scales_in, const int32_t* rows, int n,
+                                   void* x_out, float* scales_out) {
+  constexpr int kParts = 2;
+  const int K = d.topk, nb = scale_blocks(d);
+  const int row_vectors = d.fp8 ? d.hidden / 16 : d.hidden / 8;
+  uint4* out = static_cast<uint4*>(x_out);
+  for (int task = block_warp(); task < n * K * kParts; task += kExchangeWarps) {
+    const int j = task / kParts, part = task % kParts, row = rows[j];
+    if (row < 0) continue;
+    const uint4* from = rows_in + size_t(j / K) * row_vectors;
+    uint4* to = out + size_t(row) * row_vectors;
+    for (int c = part_begin(row_vectors, part, kParts) + lane_id();
+         c < part_begin(row_vectors, part + 1, kParts); c += 32)
+      to[c] = from[c];
+    if (part == 0 && scales_in)
+      for (int b = lane_id(); b < nb; b += 32)
+        scales_out[size_t(row) * nb + b] = scales_in[(j / K) * nb + b];
+  }
+}
+
 // The fused dispatch at world 1 (outputs as dispatch_kernel's). Block b handles chunks b, b +
 // grid, ...; the counters still move as the fused op's, so halves may follow.
 template <TokenInput kInput, int kCPL>
@@ -700,12 +802,18 @@ dispatch_local_kernel(CommView v, const void* x, const float* x_scales,
   int32_t* chunk_ids = chunk_rows + kLocalChunkSlots;
   float* chunk_w = reinterpret_cast<float*>(chunk_ids + kLocalChunkSlots);
   clock_mark(v, kClockDispatch, kMarkSendStart);
+  const int staged_t0 = chunk_begin(v, blockIdx.x);
+  const int staged_n = chunk_begin(v, blockIdx.x + 1) - staged_t0;
+  const StagedLayout staging = staged_layout(d, kInput, staged_n);
+  const bool staged = staging.total <= kSendRingBytes && staged_n * K <= kLocalChunkSlots;
+  char* ring = reinterpret_cast<char*>(smem);
+  if (staged) stage_rows<kInput>(d, x, x_scales, staged_t0, staged_n, staging, ring);
   const CallCounts calls = load_call_counts(v, kSeqDispatchSend, kSeqDispatchRecv);
   const int given = *num_tokens;
   // The first chunk's ids and weights travel with the counting's loads, so its ranking reads
   // shared memory only.
-  const int first = chunk_begin(v, blockIdx.x) * K;
-  const int first_end = chunk_begin(v, blockIdx.x + 1) * K;
+  const int first = staged_t0 * K;
+  const int first_end = (staged_t0 + staged_n) * K;
   if (first_end - first <= kLocalChunkSlots)
     stage_chunk(topk_ids, topk_weights, first, first_end, chunk_ids, chunk_w);
   for (int e = threadIdx.x; e < E; e += blockDim.x) g.first_row[e] = running[e] = 0;
@@ -715,6 +823,7 @@ dispatch_local_kernel(CommView v, const void* x, const float* x_scales,
   // those before this block's first chunk into running.
   count_slots(d, topk_ids, 0, d.max_tokens * K, n, first, g.first_row, running);
   if (threadIdx.x == 0) g.ntok[0] = ntok;
+  if (staged) copy_async_wait<0>();  // the staged rows, visible to all after the barrier
   __syncthreads();
   // Nothing is written before the order check, so a refused launch leaves no trace but its
   // error.
@@ -735,14 +844,27 @@ dispatch_local_kernel(CommView v, const void* x, const float* x_scales,
       if (cached) stage_chunk(topk_ids, topk_weights, t0 * K, t1 * K, chunk_ids, chunk_w);
       __syncthreads();
     }
+    const bool from_stage = staged && c == blockIdx.x;
+    if constexpr (kInput == kInputBf16Quantize)
+      if (from_stage) quantize_staged<kCPL>(d, staging, staged_n, ring);
     rank_local_chunk(v, g, running, cached ? chunk_ids : topk_ids + t0 * K,
                      cached ? chunk_w : topk_weights + t0 * K, n, t0, t1, send_dest,
                      weights_out, slot_rows, chunk_rows);
     counted = t1 * K;
     __syncthreads();
     if (c == blockIdx.x) clock_mark(v, kClockDispatch, kMarkRanked);
-    place_local_chunk<kInput, kCPL>(d, x, x_scales, cached ? chunk_rows : slot_rows + t0 * K,
-                                    t0, min(t1, ntok), x_out, scales_out, smem);
+    if (from_stage) {
+      const size_t rows_at = kInput == kInputBf16Quantize ? staging.out : 0;
+      const size_t scales_at = kInput == kInputBf16Quantize ? staging.out_scales
+                                                            : staging.in_scales;
+      place_staged_chunk(d, reinterpret_cast<const uint4*>(ring + rows_at),
+                         kInput == kInputBf16 ? nullptr
+                                              : reinterpret_cast<const float*>(ring + scales_at),
+                         chunk_rows, staged_n, x_out, scales_out);
+    } else {
+      place_local_chunk<kInput, kCPL>(d, x, x_scales, cached ? chunk_rows : slot_rows + t0 * K,
+                                      t0, min(t1, ntok), x_out, scales_out, smem);
+    }
     __syncthreads();
     finish_chunk(v, kSeqDispatchSend, c, seq);
     finish_chunk(v, kSeqDispatchRecv, c, seq);

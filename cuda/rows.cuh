@@ -102,6 +102,11 @@ __device__ inline void copy_async16(void* shared, const void* global) {
   const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(global) : "memory");
 }
+// The same for 4 bytes (cp.async.ca: .cg takes 16-byte copies only), e.g. a row's f32 scales.
+__device__ inline void copy_async4(void* shared, const void* global) {
+  const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(to), "l"(global) : "memory");
+}
 __device__ inline void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most `kPending` of this thread's committed groups are still in flight.
 template <int kPending>
