@@ -17,3 +17,15 @@ build_jax_moe() {
     --no-deps -e . -Ccmake.define.JAX_MOE_ENABLE_CUDA=ON \
     -Ccmake.define.JAX_MOE_ENABLE_LIBFABRIC="$fabric" >> "$log" 2>&1
 }
+
+# Sets `fabric` to ON when the run carries libfabric's headers in .fabric/ (the GPU machines
+# have its runtime only; ../shared/tools/libfabric-dev-unpack .fabric), with PKG_CONFIG_PATH
+# pointed at them, else OFF. Every gpu_*.sh script builds with the same setting, so one
+# script's build is the next one's cache.
+find_libfabric() {
+  fabric=OFF
+  if [ -f .fabric/lib/pkgconfig/libfabric.pc ]; then
+    fabric=ON
+    export PKG_CONFIG_PATH=$PWD/.fabric/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+  fi
+}

@@ -27,7 +27,8 @@ trap finish EXIT
   > "$logs/topo.txt" 2>&1
 # shellcheck source=benchmarks/gpu_build.sh
 . "$(dirname "$0")/gpu_build.sh"
-if ! build_jax_moe "$logs/build.log" OFF; then
+find_libfabric
+if ! build_jax_moe "$logs/build.log" "$fabric"; then
   tail -40 "$logs/build.log"
   echo "BUILD FAILED" | tee -a "$logs/summary.txt"
   exit 1

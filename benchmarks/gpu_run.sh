@@ -42,15 +42,9 @@ started=$(date +%s)
   > "$logs/topo.txt" 2>&1
 head -4 "$logs/topo.txt"
 
-# libfabric: the GPU machines have its runtime but no headers; the run carries them in .fabric/
-# (../shared/tools/libfabric-dev-unpack .fabric) for the host proxies' TransferEngine.
-fabric=OFF
-if [ -f .fabric/lib/pkgconfig/libfabric.pc ]; then
-  fabric=ON
-  export PKG_CONFIG_PATH=$PWD/.fabric/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
-fi
 # shellcheck source=benchmarks/gpu_build.sh
 . "$(dirname "$0")/gpu_build.sh"
+find_libfabric  # the host proxies' TransferEngine
 if ! build_jax_moe "$logs/build.log" "$fabric"; then
   tail -40 "$logs/build.log"
   echo "BUILD FAILED"
