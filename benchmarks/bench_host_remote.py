@@ -71,7 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="comma-separated, from: " + ", ".join(PROVIDERS))
   p.add_argument("--platform", choices=tuple(BACKENDS), default="cpu",
                  help="cpu: the host backend on CPU devices; cuda: the cuda backend through "
-                      "its host proxies, GPU i in process i")
+                      "its host proxies, GPU i %% --gpus in process i")
+  p.add_argument("--gpus", type=int, default=2,
+                 help="--platform cuda: GPUs the processes are spread over (1: both share "
+                      "GPU 0; then pass --no-nvlink)")
   p.add_argument("--hidden", type=int, default=7168)
   p.add_argument("--experts", type=int, default=256)
   p.add_argument("--topk", type=int, default=8)
@@ -277,7 +280,7 @@ def main(argv=None) -> int:
             "seed": args.seed, "devices_per_process": args.devices_per_process,
             "iters": args.iters, "short_iters": args.short_iters, "reps": args.reps,
             "raw_iters": args.raw_iters, "raw_short_iters": args.raw_short_iters,
-            "platform": args.platform, "backend": BACKENDS[args.platform],
+            "platform": args.platform, "backend": BACKENDS[args.platform], "gpus": args.gpus,
             "others": (["cuda"] if args.platform == "cuda" and not args.no_nvlink else [])
             + ([] if args.no_xla else ["xla"]),
             "pin": args.platform == "cpu" and not args.no_pin}
