@@ -257,7 +257,10 @@ __global__ void __launch_bounds__(kThreads)
   const BufferLayout lay = buffer_layout(d);
   const int first = blockIdx.x * blockDim.x + threadIdx.x;
   if (first == 0) *done = 0;
+  // Writes into host memory are fenced before the kernel ends: the proxy's next phase reads
+  // the slot rows and posts the rows from there.
   for (int i = first; i < R * T * K; i += gridDim.x * blockDim.x) v.slot_rows[i] = slot_rows[i];
+  __threadfence_system();
   if (read_volatile(v.aborted) || !read_volatile(&v.control->go)) return;
   if (!d.reduce_expert) {
     // Slot (src, t, k) held here: y[row] to comb[t][k] of src (bf16 [T][K][H]); zeros for a
@@ -271,6 +274,7 @@ __global__ void __launch_bounds__(kThreads)
       block_copy(H / 8, [&](int c) { return kept ? y[size_t(row) * H / 8 + c] : uint4{}; },
                  [&](int c, uint4 value) { dst[c] = value; });
     }
+    __threadfence_system();
     return;
   }
   // (src, t) with a slot here: the sum in k order of w * y[row] over its kept rows, in the
@@ -302,6 +306,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();  // rows, w and count are rewritten for the next task
   }
+  __threadfence_system();
 }
 
 __global__ void __launch_bounds__(kThreads)
