@@ -195,8 +195,9 @@ def summarize_rows(provider: str, per_process: list[list[dict]]) -> list[dict]:
 
 
 def _first_post_us(row: dict) -> float | None:
-  """The proxies' dispatch_send median, doorbell seen -> first remote write (slower process)."""
-  values = [(p or {}).get("dispatch_send", {}).get("first_post_us") for p in row["proxy"]]
+  """The proxies' dispatch_send median, doorbell of the phase that posts (after the send
+  kernel) seen -> first remote write (slower process)."""
+  values = [(p or {}).get("dispatch_send.end", {}).get("first_post_us") for p in row["proxy"]]
   return None if any(v is None for v in values) else max(values)
 
 
