@@ -40,7 +40,7 @@ struct HostRankState {
   uint64_t dispatch_recv_seq = 0;
   uint64_t combine_recv_seq = 0;
   double timeout_s = 10.0;
-  int threads = 1;  // threads of the row loops (parallel.h); set for the cuda host proxies
+  int threads = 1;  // threads of the row loops (parallel.h; JAX_MOE_HOST_THREADS)
   bool connected = false;
   // A wait gave up: the ranks' sequences disagree, so every later call records TIMEOUT
   // (naming timeout_peer) and returns zeros. Handlers never fail at run time for it: JAX

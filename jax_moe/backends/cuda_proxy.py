@@ -72,8 +72,9 @@ class ProxyRanks(RankStates):
         raise
 
     try:
+      # One thread: the proxy's CPU phases keep no row loops (the GPU moves the rows).
       host_remote.connect_host_ranks(self, groups, lambda d: d.local_hardware_id, create, owner,
-                                     settings.proxy_threads())
+                                     1)
       for ordinal in self.ordinals:
         module.cuda_start_proxy(self.comm_id, ordinal)
     except BaseException:
