@@ -71,7 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="comma-separated, from: " + ", ".join(PROVIDERS))
   p.add_argument("--platform", choices=tuple(BACKENDS), default="cpu",
                  help="cpu: the host backend on CPU devices; cuda: the cuda backend through "
-                      "its host proxies, GPU i in process i")
+                      "its host proxies, GPU i %% --gpus in process i")
+  p.add_argument("--gpus", type=int, default=2,
+                 help="--platform cuda: GPUs the processes are spread over (1: both share "
+                      "GPU 0; then pass --no-nvlink)")
   p.add_argument("--hidden", type=int, default=7168)
   p.add_argument("--experts", type=int, default=256)
   p.add_argument("--topk", type=int, default=8)
@@ -192,8 +195,9 @@ def summarize_rows(provider: str, per_process: list[list[dict]]) -> list[dict]:
 
 
 def _first_post_us(row: dict) -> float | None:
-  """The proxies' dispatch_send median, doorbell seen -> first remote write (slower process)."""
-  values = [(p or {}).get("dispatch_send", {}).get("first_post_us") for p in row["proxy"]]
+  """The proxies' dispatch_send median, doorbell of the phase that posts (after the send
+  kernel) seen -> first remote write (slower process)."""
+  values = [(p or {}).get("dispatch_send.end", {}).get("first_post_us") for p in row["proxy"]]
   return None if any(v is None for v in values) else max(values)
 
 
@@ -277,7 +281,7 @@ def main(argv=None) -> int:
             "seed": args.seed, "devices_per_process": args.devices_per_process,
             "iters": args.iters, "short_iters": args.short_iters, "reps": args.reps,
             "raw_iters": args.raw_iters, "raw_short_iters": args.raw_short_iters,
-            "platform": args.platform, "backend": BACKENDS[args.platform],
+            "platform": args.platform, "backend": BACKENDS[args.platform], "gpus": args.gpus,
             "others": (["cuda"] if args.platform == "cuda" and not args.no_nvlink else [])
             + ([] if args.no_xla else ["xla"]),
             "pin": args.platform == "cpu" and not args.no_pin}

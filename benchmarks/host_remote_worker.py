@@ -30,10 +30,10 @@ BARRIER_TIMEOUT_MS = 120_000
 
 
 def configure(config: dict, process_id: int) -> None:
-  """Before jax is imported: GPU `process_id`, or CPU devices and this process on its own core
-  when asked."""
+  """Before jax is imported: GPU `process_id` modulo the GPUs asked for, or CPU devices and
+  this process on its own core when asked."""
   if config["platform"] == "cuda":
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(process_id)
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(process_id % config.get("gpus", 2))
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     return
   os.environ["JAX_PLATFORMS"] = "cpu"
@@ -212,8 +212,11 @@ def _run(config: dict, process_id: int) -> list[dict]:
 
 
 # The doorbell's op codes (ffi/cuda/host_proxy.cc) by request.
-PROXY_OPS = {1: "dispatch_send", 2: "dispatch_send", 3: "dispatch_send", 4: "dispatch_recv",
-             5: "combine_send", 6: "combine_recv"}
+# The CPU phases a half's kernel sits between (ffi/cuda/host_proxy.cc, ProxyOp): "begin" checks
+# the call order and waits, "end" publishes and posts the writes (or the acknowledgement).
+PROXY_OPS = {1: "dispatch_send.begin", 2: "dispatch_send.end", 3: "dispatch_recv.begin",
+             4: "dispatch_recv.end", 5: "combine_send.begin", 6: "combine_send.end",
+             7: "combine_recv.begin", 8: "combine_recv.end"}
 
 
 def proxy_summary(samples_by_ordinal: dict) -> dict:

@@ -85,17 +85,6 @@ struct TableRows {
   }
 };
 
-// Vector c of a partial sum, in the partial dtype, into the row at `dst`.
-__device__ inline void store_partial(const MoeDims& d, char* dst, int c, const float acc[8]) {
-  if (d.partial_bf16) {
-    reinterpret_cast<uint4*>(dst)[c] = f32_to_bf16x8(acc);
-  } else {
-    float4* out = reinterpret_cast<float4*>(dst) + 2 * c;
-    out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-  }
-}
-
 // Source mode, one chunk: one warp per (source s, token t, slot k, part of hidden) held here:
 // y[row] to comb[t][k] on s (zeros for a slot dropped by capacity overflow, so it adds nothing
 // there).

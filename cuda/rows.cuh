@@ -40,6 +40,17 @@ __device__ inline void accumulate_scaled(float acc[8], float w, const float v[8]
   for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, v[i]));
 }
 
+// Vector c of a partial sum, in the partial dtype, into the row at `dst`.
+__device__ inline void store_partial(const MoeDims& d, char* dst, int c, const float acc[8]) {
+  if (d.partial_bf16) {
+    reinterpret_cast<uint4*>(dst)[c] = f32_to_bf16x8(acc);
+  } else {
+    float4* out = reinterpret_cast<float4*>(dst) + 2 * c;
+    out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+  }
+}
+
 constexpr float kInv448 = 1.0f / 448.0f;  // the f32 nearest 1/448
 
 // max(a, b) that keeps a NaN (fmaxf drops it): a block's amax is NaN when any value is, as in

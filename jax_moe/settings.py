@@ -12,9 +12,6 @@ import os
 # Kernels wait in nanoseconds held in 64 bits; a day keeps every conversion far from overflow.
 MAX_TIMEOUT_S = 86_400.0
 DEFAULT_HOST_PROVIDER = "shm"
-# Row-loop threads of each cuda host proxy's exchange: it is CPU-bound (zeroing, copying and
-# summing rows) and a GPU host has cores to spare.
-DEFAULT_PROXY_THREADS = 4
 
 
 def timeout_s() -> float:
@@ -78,6 +75,3 @@ def host_threads() -> int:
   return _threads("JAX_MOE_HOST_THREADS", 1)
 
 
-def proxy_threads() -> int:
-  """JAX_MOE_PROXY_THREADS: row-loop threads of each cuda host proxy (default 4)."""
-  return _threads("JAX_MOE_PROXY_THREADS", DEFAULT_PROXY_THREADS)

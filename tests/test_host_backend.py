@@ -129,9 +129,8 @@ def test_a_closed_communicator_is_a_clear_error():
     dict(dispatch="bf16", combine_reduce="expert", expert_padding=16),
 ], ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()))
 def test_row_loops_on_several_threads_give_the_same_bits(monkeypatch, rng, setup_args):
-    """JAX_MOE_HOST_THREADS splits each rank's row loops (ffi/host/parallel.h; the cuda host
-    proxies run them on JAX_MOE_PROXY_THREADS): same bits as one thread, sizes large enough
-    that every loop is split."""
+    """JAX_MOE_HOST_THREADS splits each rank's row loops (ffi/host/parallel.h): same bits as
+    one thread, sizes large enough that every loop is split."""
     from support.moe_runner import Runner, Setup, make_inputs
     from support.routing_cases import routing
 

@@ -5,19 +5,23 @@
 #include <stdexcept>
 #include <string>
 
-#include "ffi/exchange_checks.h"
 #include "ffi/host/exchange.h"
 #include "ffi/host/state.h"
 
 namespace jax_moe {
 namespace {
 
-// The doorbell's op byte: which exchange the proxy runs.
+// The doorbell's op byte: which CPU phase the proxy runs (ffi/host/exchange.h). Each half is
+// its first phase, its kernel (cuda/proxy_rows.cuh), its second phase.
 enum ProxyOp : uint32_t {
-  kOpDispatchSend = 1,  // + TokenInput (1..3)
-  kOpDispatchRecv = 4,
-  kOpCombineSend = 5,
-  kOpCombineRecv = 6,
+  kOpDispatchSend = 1,     // order check, wait for the acknowledgements
+  kOpDispatchSendEnd = 2,  // errors the kernel found, publish, post routes and rows
+  kOpDispatchRecv = 3,     // wait for routes and rows, the plan of the layout
+  kOpDispatchRecvEnd = 4,  // acknowledge
+  kOpCombineSend = 5,      // order check, wait for the acknowledgements
+  kOpCombineSendEnd = 6,   // publish, post rows or partials
+  kOpCombineRecv = 7,      // wait for rows or partials
+  kOpCombineRecvEnd = 8,   // acknowledge
 };
 
 using Clock = std::chrono::steady_clock;
@@ -37,16 +41,6 @@ void check_cuda(cudaError_t status, const char* what) {
                              cudaGetErrorString(status));
 }
 
-cudaError_t to_host(char* dst, const void* src, size_t bytes, cudaStream_t stream) {
-  if (bytes == 0) return cudaSuccess;
-  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream);
-}
-
-cudaError_t to_device(void* dst, const char* src, size_t bytes, cudaStream_t stream) {
-  if (bytes == 0) return cudaSuccess;
-  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream);
-}
-
 // The first failure of a sequence of stream operations.
 #define JAX_MOE_RETURN_IF_ERROR(expr)          \
   do {                                         \
@@ -57,8 +51,7 @@ cudaError_t to_device(void* dst, const char* src, size_t bytes, cudaStream_t str
 }  // namespace
 
 CudaProxy::Areas CudaProxy::areas_for(const MoeDims& d) {
-  const size_t T = d.max_tokens, H = d.hidden, K = d.topk, R = d.world, C = d.capacity;
-  const size_t L = d.local_experts, nb = scale_blocks(d);
+  const size_t T = d.max_tokens, K = d.topk, R = d.world, C = d.capacity, L = d.local_experts;
   Areas a{};
   size_t next = 0;
   auto take = [&next](size_t bytes) {
@@ -66,39 +59,43 @@ CudaProxy::Areas CudaProxy::areas_for(const MoeDims& d) {
     next = align_up(next + bytes, 64);
     return at;
   };
-  a.x_in = take(T * H * 2);  // bf16 or fp8 codes
-  a.scales_in = take(T * nb * 4);
-  a.topk_ids = take(T * K * 4);
-  a.topk_weights = take(T * K * 4);
-  a.num_tokens = take(4);
-  a.send_dest = take(T * K * 4);
-  a.x_out = take(C * H * (d.fp8 ? 1 : 2));
-  a.scales_out = take(C * nb * 4);
-  a.row_weights = take(C * 4);
+  a.control = take(sizeof(ProxyControl));
+  a.slot_rows = take(R * T * K * 4);
+  a.weights = take(C * 4);
   a.group_sizes = take(L * 4);
   a.tokens_per_expert = take(L * 4);
-  a.slot_rows = take(R * T * K * 4);
-  a.y = take(C * H * 2);
-  a.done = take(4);
-  a.out = take(T * H * 2);
+  a.tokens = take(R * T * 4);
+  a.zero_rows = take(C * 4);
+  a.send_dest = take(T * K * 4);
   a.total = next;
   return a;
 }
 
-CudaProxy::CudaProxy(const MoeDims& dims, uint64_t wait_ns)
-    : dims_(dims), wait_ns_(wait_ns), areas_(areas_for(dims)) {
+CudaProxy::CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns)
+    : dims_(dims), ordinal_(ordinal), wait_ns_(wait_ns), areas_(areas_for(dims)) {
   try {
-    check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&staging_), areas_.total,
-                             cudaHostAllocPortable),
+    constexpr unsigned kMapped = cudaHostAllocMapped | cudaHostAllocPortable;
+    check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&staging_), areas_.total, kMapped),
                "cudaHostAlloc(staging)");
     std::memset(staging_, 0, areas_.total);
-    check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&doorbell_), sizeof(ProxyDoorbell),
-                             cudaHostAllocMapped | cudaHostAllocPortable),
+    check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&staging_device_), staging_, 0),
+               "cudaHostGetDevicePointer(staging)");
+    control_ = area<ProxyControl>(areas_.control);
+    check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&doorbell_), sizeof(ProxyDoorbell), kMapped),
                "cudaHostAlloc(doorbell)");
     std::memset(doorbell_, 0, sizeof(ProxyDoorbell));
     check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&doorbell_device_), doorbell_, 0),
                "cudaHostGetDevicePointer(doorbell)");
+    check_cuda(cudaMalloc(reinterpret_cast<void**>(&scratch_), sizeof(ProxyScratch)),
+               "cudaMalloc(scratch)");
+    const ProxyScratch fresh{~0ull, 0};
+    check_cuda(cudaMemcpy(scratch_, &fresh, sizeof(fresh), cudaMemcpyHostToDevice),
+               "cudaMemcpy(scratch)");
+    check_cuda(cudaMalloc(reinterpret_cast<void**>(&peers_device_), sizeof(char*) * dims.world),
+               "cudaMalloc(peers)");
   } catch (...) {
+    cudaFree(peers_device_);
+    cudaFree(scratch_);
     if (doorbell_) cudaFreeHost(doorbell_);
     if (staging_) cudaFreeHost(staging_);
     throw;
@@ -108,14 +105,43 @@ CudaProxy::CudaProxy(const MoeDims& dims, uint64_t wait_ns)
 CudaProxy::~CudaProxy() {
   stop_.store(true);
   if (thread_.joinable()) thread_.join();
+  // The caller synchronized the device (ffi/cuda/state.cc), so no kernel uses the mappings;
+  // the host memory itself is freed later, with the host rank state.
+  for (void* memory : registered_) cudaHostUnregister(memory);
+  cudaFree(peers_device_);
+  cudaFree(scratch_);
   cudaFreeHost(doorbell_);
   cudaFreeHost(staging_);
+}
+
+void CudaProxy::register_host(void* memory, size_t bytes) {
+  check_cuda(cudaHostRegister(memory, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable),
+             "cudaHostRegister");
+  registered_.push_back(memory);
 }
 
 void CudaProxy::start(host::HostRankState* host_state) {
   if (thread_.joinable()) throw std::invalid_argument("jax_moe cuda proxy: already started");
   if (host_state == nullptr || !host_state->connected)
     throw std::invalid_argument("jax_moe cuda proxy: the host rank state must be connected first");
+  check_cuda(cudaSetDevice(ordinal_), "cudaSetDevice");
+  // The kernels address every rank's host buffer (the other local ranks' proxies register
+  // theirs) by its host address, which needs registered memory mapped at the same address.
+  int same_address = 0;
+  check_cuda(cudaDeviceGetAttribute(&same_address, cudaDevAttrCanUseHostPointerForRegisteredMem,
+                                    ordinal_),
+             "cudaDeviceGetAttribute");
+  if (!same_address)
+    throw std::runtime_error("jax_moe cuda proxy: the device cannot address registered host "
+                             "memory by its host pointer");
+  register_host(host_state->storage.get(), host_state->storage_bytes);
+  if (host_state->remote != nullptr)
+    register_host(host_state->remote->staging_memory(),
+                  host_state->remote->staging_memory_bytes());
+  buffer_device_ = host_state->buffer;
+  check_cuda(cudaMemcpy(peers_device_, host_state->peers.data(), sizeof(char*) * dims_.world,
+                        cudaMemcpyHostToDevice),
+             "cudaMemcpy(peers)");
   host_ = host_state;
   thread_ = std::thread([this] { run(); });
 }
@@ -133,6 +159,23 @@ cudaError_t CudaProxy::request(const CommView& v, uint32_t op, cudaStream_t stre
   return launch_proxy_request(v, doorbell_device_, op, wait_ns_, stream);
 }
 
+ProxyRowsView CudaProxy::rows_view(const CommView& v) const {
+  ProxyRowsView r{};
+  r.dims = dims_;
+  r.peers = peers_device_;
+  r.buffer = buffer_device_;
+  r.control = device_area<ProxyControl>(areas_.control);
+  r.scratch = scratch_;
+  r.aborted = &v.counters->aborted;
+  r.slot_rows = device_area<int32_t>(areas_.slot_rows);
+  r.weights = device_area<float>(areas_.weights);
+  r.group_sizes = device_area<int32_t>(areas_.group_sizes);
+  r.tokens_per_expert = device_area<int32_t>(areas_.tokens_per_expert);
+  r.tokens = device_area<int32_t>(areas_.tokens);
+  r.zero_rows = device_area<int32_t>(areas_.zero_rows);
+  return r;
+}
+
 void CudaProxy::run() {
   uint64_t served = 0;
   auto last_request = Clock::now();
@@ -144,13 +187,14 @@ void CudaProxy::run() {
       continue;
     }
     const int64_t seen = now_ns();
+    const uint32_t op = static_cast<uint32_t>(request & 0xff);
     host_->first_post_ns = 0;
     try {
-      serve(static_cast<uint32_t>(request & 0xff));
+      serve(op);
     } catch (const std::exception&) {
       // The exchange turns transport failures into TIMEOUT; what may still throw here is an
       // allocation. The ranks' sequences then no longer agree, so the rank is broken as
-      // after a timeout, and the stream still gets its answer.
+      // after a timeout, and the stream still gets its answer (control_->go stays 0).
       host_->record_error(kTimeout, kStageProxy, host_->dims.rank);
       host_->timed_out = true;
     }
@@ -161,94 +205,99 @@ void CudaProxy::run() {
     const int64_t first_post = host_->first_post_ns;
     std::lock_guard<std::mutex> lock(samples_mutex_);
     if (samples_.size() < kMaxSamples)
-      samples_.push_back({static_cast<uint32_t>(request & 0xff),
-                          first_post ? first_post - seen : -1, finished - seen});
+      samples_.push_back({op, first_post ? first_post - seen : -1, finished - seen});
   }
 }
 
 void CudaProxy::serve(uint32_t op) {
   host::HostRankState& s = *host_;
-  if (op >= kOpDispatchSend && op < kOpDispatchRecv) {
-    host::dispatch_send(s, static_cast<RowInput>(op - kOpDispatchSend), area(areas_.x_in),
-                        reinterpret_cast<const float*>(area(areas_.scales_in)),
-                        reinterpret_cast<const int32_t*>(area(areas_.topk_ids)),
-                        reinterpret_cast<const float*>(area(areas_.topk_weights)),
-                        reinterpret_cast<const int32_t*>(area(areas_.num_tokens)),
-                        reinterpret_cast<int32_t*>(area(areas_.send_dest)));
-  } else if (op == kOpDispatchRecv) {
-    host::dispatch_recv(s, area(areas_.x_out), reinterpret_cast<float*>(area(areas_.scales_out)),
-                        reinterpret_cast<float*>(area(areas_.row_weights)),
-                        reinterpret_cast<int32_t*>(area(areas_.group_sizes)),
-                        reinterpret_cast<int32_t*>(area(areas_.tokens_per_expert)),
-                        reinterpret_cast<int32_t*>(area(areas_.slot_rows)));
-  } else if (op == kOpCombineSend) {
-    host::combine_send(s, reinterpret_cast<const uint16_t*>(area(areas_.y)),
-                       reinterpret_cast<const int32_t*>(area(areas_.slot_rows)),
-                       reinterpret_cast<const float*>(area(areas_.row_weights)),
-                       reinterpret_cast<int32_t*>(area(areas_.done)));
-  } else if (op == kOpCombineRecv) {
-    host::combine_recv(s, reinterpret_cast<const int32_t*>(area(areas_.send_dest)),
-                       reinterpret_cast<const float*>(area(areas_.topk_weights)),
-                       reinterpret_cast<uint16_t*>(area(areas_.out)));
+  ProxyControl& c = *control_;
+  const bool first_phase = op % 2 == 1;  // odd ops come before a kernel that reads `go`
+  if (first_phase) {
+    c.go = 0;
+    phase_ok_ = false;
   }
+  switch (op) {
+    case kOpDispatchSend:
+      phase_ok_ = host::dispatch_send_begin(s);
+      break;
+    case kOpDispatchSendEnd:
+      if (phase_ok_)
+        host::dispatch_send_end(s, c.given_tokens, c.first_bad != ~0ull,
+                                static_cast<int32_t>(c.first_bad & 0xffffffffu));
+      break;
+    case kOpDispatchRecv: {
+      host::RecvPlan plan{area<int32_t>(areas_.slot_rows), area<float>(areas_.weights),
+                          area<int32_t>(areas_.group_sizes),
+                          area<int32_t>(areas_.tokens_per_expert), area<int32_t>(areas_.tokens),
+                          area<int32_t>(areas_.zero_rows)};
+      phase_ok_ = host::dispatch_recv_begin(s, plan);
+      c.token_count = plan.token_count;
+      c.zero_count = plan.zero_count;
+      break;
+    }
+    case kOpDispatchRecvEnd:
+      if (phase_ok_) host::dispatch_recv_end(s);
+      break;
+    case kOpCombineSend:
+      phase_ok_ = host::combine_send_begin(s);
+      break;
+    case kOpCombineSendEnd:
+      if (phase_ok_) host::combine_send_end(s, area<int32_t>(areas_.slot_rows));
+      break;
+    case kOpCombineRecv:
+      phase_ok_ = host::combine_recv_begin(s, area<int32_t>(areas_.send_dest));
+      break;
+    case kOpCombineRecvEnd:
+      if (phase_ok_) host::combine_recv_end(s);
+      break;
+    default:
+      break;
+  }
+  if (first_phase) c.go = phase_ok_ ? 1 : 0;
 }
 
 cudaError_t CudaProxy::dispatch_send(const CommView& v, TokenInput input, const void* x,
                                      const float* x_scales, const int32_t* topk_ids,
                                      const float* topk_weights, const int32_t* num_tokens,
                                      int32_t* send_dest, cudaStream_t stream) {
-  const MoeDims& d = dims_;
-  const size_t T = d.max_tokens, H = d.hidden, K = d.topk;
-  const bool fp8_in = input == kInputFp8;
-  JAX_MOE_RETURN_IF_ERROR(to_host(area(areas_.x_in), x, T * H * (fp8_in ? 1 : 2), stream));
-  if (fp8_in)
-    JAX_MOE_RETURN_IF_ERROR(
-        to_host(area(areas_.scales_in), x_scales, T * scale_blocks(d) * 4, stream));
-  JAX_MOE_RETURN_IF_ERROR(to_host(area(areas_.topk_ids), topk_ids, T * K * 4, stream));
-  JAX_MOE_RETURN_IF_ERROR(to_host(area(areas_.topk_weights), topk_weights, T * K * 4, stream));
-  JAX_MOE_RETURN_IF_ERROR(to_host(area(areas_.num_tokens), num_tokens, 4, stream));
-  JAX_MOE_RETURN_IF_ERROR(request(v, kOpDispatchSend + input, stream));
-  return to_device(send_dest, area(areas_.send_dest), T * K * 4, stream);
+  JAX_MOE_RETURN_IF_ERROR(request(v, kOpDispatchSend, stream));
+  JAX_MOE_RETURN_IF_ERROR(launch_proxy_dispatch_send(rows_view(v), input, x, x_scales, topk_ids,
+                                                     topk_weights, num_tokens, send_dest,
+                                                     stream));
+  return request(v, kOpDispatchSendEnd, stream);
 }
 
 cudaError_t CudaProxy::dispatch_recv(const CommView& v, void* x, float* scales, float* weights,
                                      int32_t* group_sizes, int32_t* tokens_per_expert,
                                      int32_t* slot_rows, cudaStream_t stream) {
-  const MoeDims& d = dims_;
-  const size_t C = d.capacity, H = d.hidden, L = d.local_experts;
   JAX_MOE_RETURN_IF_ERROR(request(v, kOpDispatchRecv, stream));
-  JAX_MOE_RETURN_IF_ERROR(to_device(x, area(areas_.x_out), C * H * (d.fp8 ? 1 : 2), stream));
-  JAX_MOE_RETURN_IF_ERROR(to_device(scales, area(areas_.scales_out), C * scale_blocks(d) * 4,
-                                    stream));
-  JAX_MOE_RETURN_IF_ERROR(to_device(weights, area(areas_.row_weights), C * 4, stream));
-  JAX_MOE_RETURN_IF_ERROR(to_device(group_sizes, area(areas_.group_sizes), L * 4, stream));
-  JAX_MOE_RETURN_IF_ERROR(
-      to_device(tokens_per_expert, area(areas_.tokens_per_expert), L * 4, stream));
-  return to_device(slot_rows, area(areas_.slot_rows),
-                   size_t(d.world) * d.max_tokens * d.topk * 4, stream);
+  JAX_MOE_RETURN_IF_ERROR(launch_proxy_dispatch_recv(rows_view(v), x, scales, weights,
+                                                     group_sizes, tokens_per_expert, slot_rows,
+                                                     stream));
+  return request(v, kOpDispatchRecvEnd, stream);
 }
 
 cudaError_t CudaProxy::combine_send(const CommView& v, const void* y, const int32_t* slot_rows,
                                     const float* row_weights, int32_t* done,
                                     cudaStream_t stream) {
-  const MoeDims& d = dims_;
-  const size_t C = d.capacity;
-  JAX_MOE_RETURN_IF_ERROR(to_host(area(areas_.y), y, C * d.hidden * 2, stream));
-  JAX_MOE_RETURN_IF_ERROR(to_host(area(areas_.slot_rows), slot_rows,
-                                  size_t(d.world) * d.max_tokens * d.topk * 4, stream));
-  JAX_MOE_RETURN_IF_ERROR(to_host(area(areas_.row_weights), row_weights, C * 4, stream));
   JAX_MOE_RETURN_IF_ERROR(request(v, kOpCombineSend, stream));
-  return to_device(done, area(areas_.done), 4, stream);
+  JAX_MOE_RETURN_IF_ERROR(
+      launch_proxy_combine_send(rows_view(v), y, slot_rows, row_weights, done, stream));
+  return request(v, kOpCombineSendEnd, stream);
 }
 
 cudaError_t CudaProxy::combine_recv(const CommView& v, const int32_t* send_dest,
                                     const float* topk_weights, void* out, cudaStream_t stream) {
-  const MoeDims& d = dims_;
-  const size_t T = d.max_tokens, K = d.topk;
-  JAX_MOE_RETURN_IF_ERROR(to_host(area(areas_.send_dest), send_dest, T * K * 4, stream));
-  JAX_MOE_RETURN_IF_ERROR(to_host(area(areas_.topk_weights), topk_weights, T * K * 4, stream));
+  // The CPU's wait counts the writes each expert rank posts, which follow from send_dest
+  // [T, K]: the one per-slot copy to the host.
+  JAX_MOE_RETURN_IF_ERROR(cudaMemcpyAsync(area<int32_t>(areas_.send_dest), send_dest,
+                                          size_t(dims_.max_tokens) * dims_.topk * 4,
+                                          cudaMemcpyDeviceToHost, stream));
   JAX_MOE_RETURN_IF_ERROR(request(v, kOpCombineRecv, stream));
-  return to_device(out, area(areas_.out), T * d.hidden * 2, stream);
+  JAX_MOE_RETURN_IF_ERROR(
+      launch_proxy_combine_recv(rows_view(v), send_dest, topk_weights, out, stream));
+  return request(v, kOpCombineRecvEnd, stream);
 }
 
 }  // namespace jax_moe

@@ -1,16 +1,19 @@
 // The host proxy of a CUDA rank whose peers are reached through the host (other nodes, or
 // every peer when JAX_MOE_FORCE_REMOTE=1; jax_moe/backends/cuda_proxy.py decides). The rank's
-// exchange then runs on the CPU, in one proxy thread per device, as the host backend's
-// protocol (ffi/host/exchange.h) on a host rank state with the same (comm id, ordinal):
-// peers in this process share host memory, peers in other processes are written through the
-// TransferEngine (ffi/host_fabric/), and the results are the host backend's, bit for bit the
-// NVLink kernels' (docs/semantics.md).
+// exchange is the host backend's protocol (ffi/host/exchange.h) on a host rank state with the
+// same (comm id, ordinal): peers in this process share host memory, peers in other processes
+// are written through the TransferEngine (ffi/host_fabric/), and the results are the host
+// backend's, bit for bit the NVLink kernels' (docs/semantics.md).
 //
+// The GPU does every row's work; the proxy thread only waits, keeps the per-slot bookkeeping
+// (sequences, counts, slot rows, spans), publishes flags and posts writes. At start the proxy
+// maps into the device the host memory the rows live in: the rank's host buffer and its staging
+// copies of the remote ranks (cudaHostRegister; the other local ranks' proxies map theirs).
 // One request of the stream (CudaProxy::dispatch_send etc., same arguments as the launchers
-// of cuda/api.cuh): copy the inputs into pinned host staging, ring the doorbell and wait
-// (cuda/proxy.cu), copy the outputs back. The proxy thread polls the doorbell, runs the
-// exchange on the staging areas and reports it done. Everything is stream-ordered device
-// work with fixed addresses, so it can be captured into a command buffer.
+// of cuda/api.cuh) is: ring the doorbell for the half's first CPU phase and wait for it
+// (cuda/proxy.cu), the half's kernel (cuda/proxy_rows.cuh) on the mapped memory, ring for
+// the second CPU phase. Everything is stream-ordered device work with fixed addresses, so it
+// can be captured into a command buffer.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,6 +26,7 @@
 
 #include "cuda/api.cuh"
 #include "cuda/layout.cuh"
+#include "cuda/proxy_rows.cuh"
 
 namespace jax_moe {
 
@@ -30,7 +34,7 @@ namespace host {
 struct HostRankState;
 }
 
-// One served request, for the proxy-overhead measurement.
+// One served request (a CPU phase), for the proxy-overhead measurement.
 struct ProxySample {
   uint32_t op;
   int64_t seen_to_first_post_ns;  // doorbell seen -> first RMA write posted; -1 if none posted
@@ -39,14 +43,16 @@ struct ProxySample {
 
 class CudaProxy {
  public:
-  // Allocates the pinned staging and the doorbell for a rank of `dims`. A request waits at
-  // most `wait_ns` for the proxy. Throws std::runtime_error.
-  CudaProxy(const MoeDims& dims, uint64_t wait_ns);
-  ~CudaProxy();  // stops the thread, frees the host memory
+  // Allocates the mapped staging, scratch and the doorbell for a rank of `dims` on device
+  // `ordinal` (current). A request waits at most `wait_ns` for the proxy. Throws
+  // std::runtime_error.
+  CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns);
+  ~CudaProxy();  // stops the thread, unregisters and frees the host memory
   CudaProxy(const CudaProxy&) = delete;
   CudaProxy& operator=(const CudaProxy&) = delete;
 
-  // Starts serving the requests with `host_state` (connected; outlives this proxy's thread).
+  // Maps the host memory of `host_state` (connected; outlives this proxy) into the device and
+  // starts serving the requests with it. Throws std::invalid_argument, std::runtime_error.
   void start(host::HostRankState* host_state);
   // True once the host exchange gave up on a peer: the ranks' sequences no longer agree.
   bool timed_out() const;
@@ -68,28 +74,40 @@ class CudaProxy {
   static constexpr size_t kMaxSamples = 1 << 16;
 
  private:
-  // Byte offsets of the staging areas in `staging_` (one pinned allocation). Inputs and
-  // outputs of one request never share an area; areas are reused by later requests, which
-  // the stream issues only after the previous one finished.
+  // Byte offsets of the areas in `staging_` (one mapped pinned allocation): the control
+  // block and the per-slot arrays of ProxyRowsView, and send_dest [T, K] (combine_recv's
+  // input, copied for the CPU's wait). Reused by later requests, which the stream issues
+  // only after the previous one finished.
   struct Areas {
-    size_t x_in, scales_in, topk_ids, topk_weights, num_tokens, send_dest;   // dispatch_send
-    size_t x_out, scales_out, row_weights, group_sizes, tokens_per_expert;   // dispatch_recv
-    size_t slot_rows;                                                        // both
-    size_t y, done, out;                                                     // combine
+    size_t control, slot_rows, weights, group_sizes, tokens_per_expert, tokens, zero_rows;
+    size_t send_dest;
     size_t total;
   };
   static Areas areas_for(const MoeDims& d);
-  char* area(size_t offset) const { return staging_ + offset; }
+  template <typename T>
+  T* area(size_t offset) const { return reinterpret_cast<T*>(staging_ + offset); }
+  template <typename T>
+  T* device_area(size_t offset) const { return reinterpret_cast<T*>(staging_device_ + offset); }
   cudaError_t request(const CommView& v, uint32_t op, cudaStream_t stream);
+  ProxyRowsView rows_view(const CommView& v) const;
+  void register_host(void* memory, size_t bytes);
   void run();
   void serve(uint32_t op);
 
   MoeDims dims_;
+  int ordinal_;
   uint64_t wait_ns_;
   Areas areas_{};
-  char* staging_ = nullptr;                  // pinned host memory [areas_.total]
+  char* staging_ = nullptr;                  // mapped pinned host memory [areas_.total]
+  char* staging_device_ = nullptr;           // the same, as the device addresses it
+  ProxyControl* control_ = nullptr;          // in staging_
   ProxyDoorbell* doorbell_ = nullptr;        // mapped pinned host memory
   ProxyDoorbell* doorbell_device_ = nullptr; // the same, as the device addresses it
+  ProxyScratch* scratch_ = nullptr;          // device memory
+  char** peers_device_ = nullptr;            // device [R]: the host state's peers, mapped
+  char* buffer_device_ = nullptr;            // the host state's buffer, mapped
+  std::vector<void*> registered_;            // host memory this proxy registered
+  bool phase_ok_ = false;                    // the last first phase succeeded (proxy thread)
   host::HostRankState* host_ = nullptr;
   std::atomic<bool> stop_{false};
   std::thread thread_;

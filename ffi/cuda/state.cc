@@ -223,7 +223,7 @@ void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, 
   // by the stream's wait.
   const uint64_t wait_ns = static_cast<uint64_t>((3 * timeout_s + 1) * 1e9);
   create_state(new_state(comm_id, ordinal, dims, timeout_s), 8, [wait_ns](CudaRankState& s) {
-    s.proxy = std::make_unique<CudaProxy>(s.dims, wait_ns);
+    s.proxy = std::make_unique<CudaProxy>(s.dims, s.ordinal, wait_ns);
   });
 }
 

@@ -127,7 +127,47 @@ bool halves_in_order(HostRankState& s, uint64_t sent, uint64_t received, bool se
   return false;
 }
 
+// Publishes this rank's dispatch to the local ranks and posts its routes (unless posted
+// already) and the rows of the tokens with a slot on each remote rank; the send is then done.
+void finish_dispatch_send(HostRankState& s, const BufferLayout& lay,
+                          const std::vector<uint64_t>& dest_masks, bool routes_posted) {
+  const uint64_t seq = s.dispatch_seq + 1;
+  publish(s, lay.dispatch_flag, seq);
+  if (!routes_posted) {
+    post_remote(s, Signal::kDispatch, seq,
+                dispatch_route_spans(s.dims, lay, int(dest_masks.size())), kStageDispatchSend);
+  }
+  post_remote(s, Signal::kDispatchRows, seq, dispatch_row_spans(s, lay, dest_masks),
+              kStageDispatchSend);
+  s.dispatch_seq = seq;
+}
+
 }  // namespace
+
+bool dispatch_send_begin(HostRankState& s) {
+  if (!halves_in_order(s, s.dispatch_seq, s.dispatch_recv_seq, true, kStageDispatchSend))
+    return false;
+  // Never overwrite a region its receiver has not consumed yet.
+  return wait_all(s, buffer_layout(s.dims).dispatch_ack, s.dispatch_seq, kStageDispatchSend,
+                  Signal::kDispatchAck, one_write_each(s.dims));
+}
+
+void dispatch_send_end(HostRankState& s, int given_tokens, bool bad_id, int32_t first_bad_id) {
+  const MoeDims& d = s.dims;
+  const BufferLayout lay = buffer_layout(d);
+  const int T = d.max_tokens, K = d.topk;
+  const int ntok = std::min(std::max(given_tokens, 0), T);
+  // In the order dispatch_send records them.
+  if (given_tokens != ntok) s.record_error(kBadNumTokens, kStageDispatchSend, given_tokens);
+  if (bad_id) s.record_error(kInvalidExpertId, kStageDispatchSend, first_bad_id);
+  // The routes the kernel wrote into this rank's own buffer (invalid ids already -1).
+  const int32_t* ids =
+      reinterpret_cast<const int32_t*>(s.buffer + lay.recv_ids) + size_t(d.rank) * T * K;
+  std::vector<uint64_t> dest_masks(ntok, 0);
+  for (int j = 0; j < ntok * K; ++j)
+    if (ids[j] >= 0) dest_masks[j / K] |= 1ull << (ids[j] / d.local_experts);
+  finish_dispatch_send(s, lay, dest_masks, false);
+}
 
 void dispatch_send(HostRankState& s, RowInput input, const void* x, const float* x_scales,
                    const int32_t* topk_ids, const float* topk_weights, const int32_t* num_tokens,
@@ -137,25 +177,19 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
   const int T = d.max_tokens, K = d.topk, H = d.hidden, me = d.rank;
   const int nb = scale_blocks(d);
   std::fill(send_dest, send_dest + size_t(T) * K, -1);
-  if (!halves_in_order(s, s.dispatch_seq, s.dispatch_recv_seq, true, kStageDispatchSend)) return;
+  if (!dispatch_send_begin(s)) return;
   const uint64_t seq = s.dispatch_seq + 1;
-  // Never overwrite a region its receiver has not consumed yet.
-  if (!wait_all(s, lay.dispatch_ack, seq - 1, kStageDispatchSend, Signal::kDispatchAck,
-                one_write_each(d))) {
-    return;
-  }
 
   const int given = *num_tokens;
   const int ntok = std::min(std::max(given, 0), T);
   if (given != ntok) s.record_error(kBadNumTokens, kStageDispatchSend, given);
   for (char* peer : s.peers) reinterpret_cast<int32_t*>(peer + lay.recv_num_tokens)[me] = ntok;
 
-  // Routes first. A rank alone in its process (a cuda host proxy with one GPU per process)
-  // posts them to the remote ranks before packing any row: they are small, a receiver needs
-  // them to know which rows to expect, and the proxy-overhead measurement of
-  // ffi/cuda/host_proxy.h ends at this first post. With other ranks in the process, the local
-  // publish below goes first: a post may block for up to the timeout on a dead peer, and the
-  // local ranks must not wait behind it (they would time out naming this rank).
+  // Routes first. A rank alone in its process posts them to the remote ranks before packing
+  // any row: they are small and a receiver needs them to know which rows to expect. With
+  // other ranks in the process, the local publish (finish_dispatch_send) goes first: a post
+  // may block for up to the timeout on a dead peer, and the local ranks must not wait behind
+  // it (they would time out naming this rank).
   std::vector<uint64_t> dest_masks(ntok, 0);  // bit p: token t has a slot on rank p
   for (int t = 0; t < ntok; ++t) {
     for (int k = 0; k < K; ++k) {
@@ -209,38 +243,26 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
       }
     }
   }
-  publish(s, lay.dispatch_flag, seq);
-  if (!alone) {
-    post_remote(s, Signal::kDispatch, seq, dispatch_route_spans(d, lay, ntok),
-                kStageDispatchSend);
-  }
-  post_remote(s, Signal::kDispatchRows, seq, dispatch_row_spans(s, lay, dest_masks),
-              kStageDispatchSend);
-  s.dispatch_seq = seq;
+  finish_dispatch_send(s, lay, dest_masks, alone);
 }
 
-void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
-                   int32_t* group_sizes, int32_t* tokens_per_expert, int32_t* slot_rows) {
+bool dispatch_recv_begin(HostRankState& s, RecvPlan& plan) {
   const MoeDims& d = s.dims;
   const BufferLayout lay = buffer_layout(d);
   const int R = d.world, T = d.max_tokens, K = d.topk, L = d.local_experts, C = d.capacity;
-  const int me = d.rank, nb = scale_blocks(d);
-  const size_t row_bytes = d.fp8 ? size_t(d.hidden) : size_t(d.hidden) * 2;
-  // Padding rows and rows past the total are zero; so is everything after a timeout.
-  parallel_for(s.threads, size_t(C), kRowsPerThread, [&](size_t begin, size_t end) {
-    std::memset(static_cast<char*>(x) + begin * row_bytes, 0, (end - begin) * row_bytes);
-  });
-  if (d.fp8) std::fill(scales, scales + size_t(C) * nb, 0.f);
-  std::fill(weights, weights + C, 0.f);
-  std::fill(group_sizes, group_sizes + L, 0);
-  std::fill(tokens_per_expert, tokens_per_expert + L, 0);
-  std::fill(slot_rows, slot_rows + size_t(R) * T * K, -1);
+  const int me = d.rank;
+  std::fill(plan.weights, plan.weights + C, 0.f);
+  std::fill(plan.group_sizes, plan.group_sizes + L, 0);
+  std::fill(plan.tokens_per_expert, plan.tokens_per_expert + L, 0);
+  std::fill(plan.slot_rows, plan.slot_rows + size_t(R) * T * K, -1);
+  plan.token_count = 0;
+  plan.zero_count = 0;
   const uint64_t seq = s.dispatch_seq;
-  if (!halves_in_order(s, seq, s.dispatch_recv_seq, false, kStageDispatchRecv)) return;
+  if (!halves_in_order(s, seq, s.dispatch_recv_seq, false, kStageDispatchRecv)) return false;
   s.dispatch_recv_seq = seq;
   if (!wait_all(s, lay.dispatch_flag, seq, kStageDispatchRecv, Signal::kDispatch,
                 std::vector<uint64_t>(R, kDispatchRouteWrites))) {
-    return;
+    return false;
   }
 
   const int32_t* ids = reinterpret_cast<const int32_t*>(s.buffer + lay.recv_ids);
@@ -261,10 +283,10 @@ void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
   // Remote sources' rows come after their routes, which say how many writes they take.
   if (!wait_remote(s, Signal::kDispatchRows, seq, dispatch_row_writes(s, lay, ntok), s.timeout_s,
                    kStageDispatchRecv)) {
-    return;
+    return false;
   }
   // Segment e starts at the sum of the padded sizes before it; source s's rows for e follow
-  // those of the sources before s.
+  // those of the sources before s. Its padding rows (inside the capacity) are listed.
   std::vector<int> first_row(size_t(R) * L);
   int total = 0;
   for (int e = 0; e < L; ++e) {
@@ -273,38 +295,91 @@ void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
       first_row[src * L + e] = total + tokens;
       tokens += s.expert_counts[src * L + e];
     }
-    tokens_per_expert[e] = tokens;
-    group_sizes[e] = (tokens + d.expert_padding - 1) / d.expert_padding * d.expert_padding;
-    total += group_sizes[e];
+    plan.tokens_per_expert[e] = tokens;
+    plan.group_sizes[e] = (tokens + d.expert_padding - 1) / d.expert_padding * d.expert_padding;
+    if (plan.zero_rows != nullptr) {
+      for (int row = total + tokens; row < std::min(total + plan.group_sizes[e], C); ++row)
+        plan.zero_rows[plan.zero_count++] = row;
+    }
+    total += plan.group_sizes[e];
   }
   if (total > C) s.record_error(kCapacityOverflow, kStageDispatchRecv, total);
 
-  // Every slot has its own row, so tokens (src, t) are placed independently.
-  char* x_rows = static_cast<char*>(x);
-  parallel_for(s.threads, size_t(R) * T, kRowsPerThread, [&](size_t begin, size_t end) {
-    for (size_t task = begin; task < end; ++task) {
-      const int src = int(task / T), t = int(task % T);
-      if (t >= ntok[src]) continue;
-      const char* token = token_slot(s.buffer, lay, d, src, t);
+  for (int src = 0; src < R; ++src) {
+    for (int t = 0; t < ntok[src]; ++t) {
+      bool placed = false;
       for (int k = 0; k < K; ++k) {
-        const size_t slot = task * K + k;
+        const size_t slot = (size_t(src) * T + t) * K + k;
         const int e = ids[slot] - me * L;
         if (e < 0 || e >= L) continue;
         const int row = first_row[src * L + e] + s.slot_rank[slot];
         if (row >= C) {
-          slot_rows[slot] = -2;  // dropped: capacity overflow
+          plan.slot_rows[slot] = -2;  // dropped: capacity overflow
           continue;
         }
-        slot_rows[slot] = row;
-        weights[row] = route_w[slot];
-        std::memcpy(x_rows + size_t(row) * row_bytes, token, row_bytes);
-        if (d.fp8) std::memcpy(scales + size_t(row) * nb, token + d.hidden, sizeof(float) * nb);
+        plan.slot_rows[slot] = row;
+        plan.weights[row] = route_w[slot];
+        placed = true;
+      }
+      if (placed) plan.tokens[plan.token_count++] = src * T + t;
+    }
+  }
+  return true;
+}
+
+void dispatch_recv_end(HostRankState& s) {
+  publish(s, buffer_layout(s.dims).dispatch_ack, s.dispatch_seq);
+  post_remote(s, Signal::kDispatchAck, s.dispatch_seq,
+              std::vector<std::vector<Span>>(s.dims.world), kStageDispatchRecv);
+}
+
+void dispatch_recv(HostRankState& s, void* x, float* scales, float* weights,
+                   int32_t* group_sizes, int32_t* tokens_per_expert, int32_t* slot_rows) {
+  const MoeDims& d = s.dims;
+  const BufferLayout lay = buffer_layout(d);
+  const int T = d.max_tokens, K = d.topk, C = d.capacity, nb = scale_blocks(d);
+  const size_t row_bytes = d.fp8 ? size_t(d.hidden) : size_t(d.hidden) * 2;
+  // Padding rows and rows past the total are zero; so is everything after a timeout.
+  parallel_for(s.threads, size_t(C), kRowsPerThread, [&](size_t begin, size_t end) {
+    std::memset(static_cast<char*>(x) + begin * row_bytes, 0, (end - begin) * row_bytes);
+  });
+  if (d.fp8) std::fill(scales, scales + size_t(C) * nb, 0.f);
+  std::vector<int32_t> tokens(size_t(d.world) * T);
+  RecvPlan plan{slot_rows, weights, group_sizes, tokens_per_expert, tokens.data(), nullptr};
+  if (!dispatch_recv_begin(s, plan)) return;
+
+  // Every slot has its own row, so the tokens are placed independently.
+  char* x_rows = static_cast<char*>(x);
+  parallel_for(s.threads, size_t(plan.token_count), kRowsPerThread,
+               [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) {
+      const int token = tokens[i];
+      const char* row = token_slot(s.buffer, lay, d, token / T, token % T);
+      for (int k = 0; k < K; ++k) {
+        const int out = slot_rows[size_t(token) * K + k];
+        if (out < 0) continue;
+        std::memcpy(x_rows + size_t(out) * row_bytes, row, row_bytes);
+        if (d.fp8) std::memcpy(scales + size_t(out) * nb, row + d.hidden, sizeof(float) * nb);
       }
     }
   });
-  publish(s, lay.dispatch_ack, seq);
-  post_remote(s, Signal::kDispatchAck, seq, std::vector<std::vector<Span>>(R),
-              kStageDispatchRecv);
+  dispatch_recv_end(s);
+}
+
+bool combine_send_begin(HostRankState& s) {
+  if (!halves_in_order(s, s.combine_seq, s.combine_recv_seq, true, kStageCombineSend))
+    return false;
+  // Never overwrite a combine region its source has not consumed yet.
+  return wait_all(s, buffer_layout(s.dims).combine_ack, s.combine_seq, kStageCombineSend,
+                  Signal::kCombineAck, one_write_each(s.dims));
+}
+
+void combine_send_end(HostRankState& s, const int32_t* slot_rows) {
+  const uint64_t seq = s.combine_seq + 1;
+  const BufferLayout lay = buffer_layout(s.dims);
+  publish(s, lay.combine_flag, seq);
+  post_remote(s, Signal::kCombine, seq, combine_spans(s, lay, slot_rows), kStageCombineSend);
+  s.combine_seq = seq;
 }
 
 void combine_send(HostRankState& s, const uint16_t* y, const int32_t* slot_rows,
@@ -314,14 +389,7 @@ void combine_send(HostRankState& s, const uint16_t* y, const int32_t* slot_rows,
   const int R = d.world, T = d.max_tokens, K = d.topk, C = d.capacity, H = d.hidden;
   const int me = d.rank;
   *done = 0;
-  if (!halves_in_order(s, s.combine_seq, s.combine_recv_seq, true, kStageCombineSend)) return;
-  const uint64_t seq = s.combine_seq + 1;
-  // Never overwrite a combine region its source has not consumed yet.
-  if (!wait_all(s, lay.combine_ack, seq - 1, kStageCombineSend, Signal::kCombineAck,
-                one_write_each(d))) {
-    return;
-  }
-
+  if (!combine_send_begin(s)) return;
   if (!d.reduce_expert) {
     // Row of slot (src, t, k) to comb[t][k] on src; zeros for a slot dropped by overflow.
     parallel_for(s.threads, size_t(R) * T * K, kRowsPerThread, [&](size_t begin, size_t end) {
@@ -366,9 +434,21 @@ void combine_send(HostRankState& s, const uint16_t* y, const int32_t* slot_rows,
       }
     });
   }
-  publish(s, lay.combine_flag, seq);
-  post_remote(s, Signal::kCombine, seq, combine_spans(s, lay, slot_rows), kStageCombineSend);
-  s.combine_seq = seq;
+  combine_send_end(s, slot_rows);
+}
+
+bool combine_recv_begin(HostRankState& s, const int32_t* send_dest) {
+  const uint64_t seq = s.combine_seq;
+  if (!halves_in_order(s, seq, s.combine_recv_seq, false, kStageCombineRecv)) return false;
+  s.combine_recv_seq = seq;
+  return wait_all(s, buffer_layout(s.dims).combine_flag, seq, kStageCombineRecv,
+                  Signal::kCombine, combine_writes(s, send_dest));
+}
+
+void combine_recv_end(HostRankState& s) {
+  publish(s, buffer_layout(s.dims).combine_ack, s.combine_seq);
+  post_remote(s, Signal::kCombineAck, s.combine_seq, std::vector<std::vector<Span>>(s.dims.world),
+              kStageCombineRecv);
 }
 
 void combine_recv(HostRankState& s, const int32_t* send_dest, const float* topk_weights,
@@ -377,13 +457,7 @@ void combine_recv(HostRankState& s, const int32_t* send_dest, const float* topk_
   const BufferLayout lay = buffer_layout(d);
   const int R = d.world, T = d.max_tokens, K = d.topk, H = d.hidden;
   std::fill(out, out + size_t(T) * H, uint16_t{0});
-  const uint64_t seq = s.combine_seq;
-  if (!halves_in_order(s, seq, s.combine_recv_seq, false, kStageCombineRecv)) return;
-  s.combine_recv_seq = seq;
-  if (!wait_all(s, lay.combine_flag, seq, kStageCombineRecv, Signal::kCombine,
-                combine_writes(s, send_dest))) {
-    return;
-  }
+  if (!combine_recv_begin(s, send_dest)) return;
 
   const char* comb = s.buffer + lay.combine;
   parallel_for(s.threads, size_t(T), kRowsPerThread, [&](size_t begin, size_t end) {
@@ -419,8 +493,7 @@ void combine_recv(HostRankState& s, const int32_t* send_dest, const float* topk_
       for (int i = 0; i < H; ++i) out[size_t(t) * H + i] = f32_to_bf16(acc[i]);
     }
   });
-  publish(s, lay.combine_ack, seq);
-  post_remote(s, Signal::kCombineAck, seq, std::vector<std::vector<Span>>(R), kStageCombineRecv);
+  combine_recv_end(s);
 }
 
 }  // namespace jax_moe::host

@@ -32,4 +32,47 @@ void combine_send(HostRankState& s, const uint16_t* y, const int32_t* slot_rows,
 void combine_recv(HostRankState& s, const int32_t* send_dest, const float* topk_weights,
                   uint16_t* out);
 
+// The same halves cut into the phases around their row work, for the cuda host proxies
+// (ffi/cuda/host_proxy.h), whose GPU moves the rows between a half's phases (cuda/proxy_rows.cuh)
+// in the host buffer and staging copies of `s`, as the halves above do on the CPU. A *_begin
+// that returns false (call order, a timeout: recorded) leaves the kernel nothing to do and
+// its *_end is not called.
+
+// Order check, then the wait for the receivers' acknowledgement of the previous dispatch.
+bool dispatch_send_begin(HostRankState& s);
+// After the kernel wrote this rank's token count, routes (invalid ids as -1) and rows into
+// every peer's view: records BAD_NUM_TOKENS (num_tokens as given) and INVALID_EXPERT_ID (the
+// first invalid id in (t, k) order, if `bad_id`), publishes and posts the writes.
+void dispatch_send_end(HostRankState& s, int given_tokens, bool bad_id, int32_t first_bad_id);
+
+// The layout of dispatch_recv without the rows: slot_rows [R, T, K], weights [C],
+// group_sizes / tokens_per_expert [L] as dispatch_recv writes them; tokens [R * T] the tokens
+// (source * T + t) with a row here, `token_count` of them in (s, t) order; zero_rows [C] (may
+// be null) the padding rows inside the segments, `zero_count` of them.
+struct RecvPlan {
+  int32_t* slot_rows;
+  float* weights;
+  int32_t* group_sizes;
+  int32_t* tokens_per_expert;
+  int32_t* tokens;
+  int32_t* zero_rows;
+  int token_count = 0;
+  int zero_count = 0;
+};
+// Order check, waits for the routes and rows of every source, then fills `plan` (zeros and
+// -1 slot rows, no tokens, when it returns false).
+bool dispatch_recv_begin(HostRankState& s, RecvPlan& plan);
+// After the rows were read out of the buffer: acknowledges them to every source.
+void dispatch_recv_end(HostRankState& s);
+
+// Order check, then the wait for the sources' acknowledgement of the previous combine.
+bool combine_send_begin(HostRankState& s);
+// After the rows or partials are in the sources' views: publishes and posts them.
+void combine_send_end(HostRankState& s, const int32_t* slot_rows);
+
+// Order check, then the wait for every expert rank's rows or partials.
+bool combine_recv_begin(HostRankState& s, const int32_t* send_dest);
+// After the sums were read out of the buffer: acknowledges them to every expert rank.
+void combine_recv_end(HostRankState& s);
+
 }  // namespace jax_moe::host

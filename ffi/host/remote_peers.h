@@ -43,6 +43,10 @@ class RemotePeers {
   // The staging copy of remote rank `peer` (a full buffer layout; only what this rank writes
   // into that peer's buffer is meaningful).
   virtual char* staging(int peer) = 0;
+  // The one allocation that holds every staging copy (page_memory.h: whole pages), so the
+  // cuda host proxies can register it with CUDA once; its size in bytes.
+  virtual char* staging_memory() = 0;
+  virtual uint64_t staging_memory_bytes() const = 0;
   // Posts spans_by_peer[p] to every remote peer p (one write each; one immediate-only write
   // when the list is empty) and waits until they completed locally, so the staging copies
   // may be reused. False on a transport failure or timeout, naming the peer in `failed_peer`

@@ -51,7 +51,8 @@ void create_host_rank(int64_t comm_id, int ordinal, const MoeDims& dims, double 
   state->timeout_s = timeout_s;
   const BufferLayout layout = buffer_layout(dims);
   // Value-initialised: flags start at sequence 0 and unwritten regions read as zeros.
-  state->storage.reset(new uint64_t[layout.total / 8 + 1]());
+  state->storage = alloc_pages(layout.total);
+  state->storage_bytes = page_rounded(layout.total);
   state->buffer = reinterpret_cast<char*>(state->storage.get());
   state->expert_counts.assign(size_t(dims.world) * dims.local_experts, 0);
   state->slot_rank.assign(size_t(dims.world) * dims.max_tokens * dims.topk, 0);

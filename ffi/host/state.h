@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cuda/layout.cuh"
+#include "ffi/host/page_memory.h"
 #include "ffi/host/remote_peers.h"
 
 namespace jax_moe::host {
@@ -22,7 +23,8 @@ struct HostRankState {
   int64_t comm_id = 0;
   int ordinal = 0;
   MoeDims dims{};
-  std::unique_ptr<uint64_t[]> storage;  // the buffer, 8-byte aligned for its flags
+  PageMemory storage;  // the buffer, page-aligned (page_memory.h), 8-byte aligned for its flags
+  size_t storage_bytes = 0;  // of `storage`: whole pages
   char* buffer = nullptr;
   // Ranks in other processes; null when every rank is in this process. Declared after
   // `storage` so it closes (and stops writing into the buffer) before the buffer is freed.
@@ -38,7 +40,7 @@ struct HostRankState {
   uint64_t dispatch_recv_seq = 0;
   uint64_t combine_recv_seq = 0;
   double timeout_s = 10.0;
-  int threads = 1;  // threads of the row loops (parallel.h); set for the cuda host proxies
+  int threads = 1;  // threads of the row loops (parallel.h; JAX_MOE_HOST_THREADS)
   bool connected = false;
   // A wait gave up: the ranks' sequences disagree, so every later call records TIMEOUT
   // (naming timeout_peer) and returns zeros. Handlers never fail at run time for it: JAX

@@ -43,7 +43,8 @@ FabricPeers::FabricPeers(const transport::Config& config, int world,
         std::to_string(engine_.facts().max_msg_size) + " bytes); lower max_tokens or hidden");
   }
   const uint64_t staging_bytes = buffer_bytes * remote_ranks.size();
-  staging_storage_.reset(new uint64_t[staging_bytes / 8 + 1]());
+  staging_storage_ = alloc_pages(staging_bytes);
+  staging_storage_bytes_ = page_rounded(staging_bytes);
   buffer_region_ = engine_.register_memory(buffer, buffer_bytes);
   staging_region_ = engine_.register_memory(staging_storage_.get(), staging_bytes);
 }

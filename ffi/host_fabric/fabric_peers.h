@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "ffi/host/page_memory.h"
 #include "ffi/host/remote_peers.h"
 #include "ffi/transport/transfer_engine.h"
 
@@ -32,6 +33,8 @@ class FabricPeers : public RemotePeers {
   bool is_remote(int peer) const override;
   bool connected() const override;
   char* staging(int peer) override;
+  char* staging_memory() override { return reinterpret_cast<char*>(staging_storage_.get()); }
+  uint64_t staging_memory_bytes() const override { return staging_storage_bytes_; }
   bool post(Signal signal, uint64_t seq, const std::vector<std::vector<Span>>& spans_by_peer,
             double timeout_s, int* failed_peer) override;
   bool wait(Signal signal, uint64_t seq, const std::vector<uint64_t>& writes, double timeout_s,
@@ -42,7 +45,8 @@ class FabricPeers : public RemotePeers {
   uint64_t buffer_bytes_;
   int buffer_region_ = -1;
   std::vector<int> staging_index_;  // [world] index of the peer's staging copy, -1 if local
-  std::unique_ptr<uint64_t[]> staging_storage_;  // [remote peers][buffer_bytes], 8-aligned
+  PageMemory staging_storage_;  // [remote peers][buffer_bytes], page-aligned (page_memory.h)
+  uint64_t staging_storage_bytes_ = 0;  // whole pages
   int staging_region_ = -1;
   std::vector<int> group_of_;  // [world] one-member group of a connected remote peer, else -1
 };

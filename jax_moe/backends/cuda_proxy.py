@@ -3,9 +3,10 @@
 When a communicator's ranks are not all reachable through CUDA peer access or IPC (the
 mesh spans hosts), or when JAX_MOE_FORCE_REMOTE=1 asks for it (to test this path on one
 host), every rank of the communicator exchanges through its host proxy (ffi/cuda/host_proxy.h):
-the FFI call copies its inputs into pinned host memory, rings a doorbell the proxy thread
-polls, waits for it, and copies the outputs back. The proxy runs the host backend's protocol
-on a host rank state with the same (comm id, device ordinal): ranks of one process share host
+each half rings a doorbell the proxy thread polls (its waits and bookkeeping), runs a kernel
+that moves the rows in host memory mapped into the device (cuda/proxy_rows.cuh), and rings
+again (flags and posted writes). The proxy runs the host backend's protocol on a host rank
+state with the same (comm id, device ordinal): ranks of one process share host
 memory, ranks in other processes are written through the TransferEngine (libfabric;
 JAX_MOE_HOST_PROVIDER and JAX_MOE_HOST_NODE choose the provider, backends/host_remote.py).
 A communicator uses one path for all its peers: NVLink for some peers and the proxy for the
@@ -52,7 +53,7 @@ def use_proxy(groups, owner: str) -> bool:
 class ProxyRanks(RankStates):
   """The rank states of a cuda communicator that exchanges through host proxies.
 
-  Per local device: a cuda rank state with the pinned staging, doorbell and proxy thread,
+  Per local device: a cuda rank state with the mapped staging, doorbell and proxy thread,
   and a host rank state (same comm id and device ordinal) that the proxy runs the exchange
   on. `sizes(rank)` gives one rank's dims and timeout as the *_create_rank bindings take them.
   """
@@ -71,8 +72,9 @@ class ProxyRanks(RankStates):
         raise
 
     try:
+      # One thread: the proxy's CPU phases keep no row loops (the GPU moves the rows).
       host_remote.connect_host_ranks(self, groups, lambda d: d.local_hardware_id, create, owner,
-                                     settings.proxy_threads())
+                                     1)
       for ordinal in self.ordinals:
         module.cuda_start_proxy(self.comm_id, ordinal)
     except BaseException:

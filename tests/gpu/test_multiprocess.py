@@ -113,7 +113,7 @@ HOST_JOBS = (
 
 # The cuda backend with every peer forced remote (JAX_MOE_FORCE_REMOTE=1): each process's GPU
 # exchanges through its host proxy, whose host exchange reaches the other processes through
-# the TransferEngine (shm or tcp;ofi_rxm); staging in pinned host memory.
+# the TransferEngine (shm or tcp;ofi_rxm); the rows move in host memory mapped into the GPU.
 FORCE_REMOTE = (("JAX_MOE_FORCE_REMOTE", "1"),)
 PROXY_JOBS = (
     Job("ep2-1perGPU-forced-remote-shm-fp8-source-padding16", (0, 1),
@@ -126,6 +126,19 @@ PROXY_JOBS = (
         ("--dispatch", "fp8-prequantized", "--reduce", "expert", "--partial-dtype", "bfloat16"),
         timeout_s=150, env=SHM + FORCE_REMOTE),
     Job("ep2-1perGPU-forced-remote-tcp-peer-killed", (0, 1), ("--kill-process", "1"),
+        timeout_s=60, env=TCP + FORCE_REMOTE + (("JAX_MOE_TIMEOUT_S", "5"),), killed=1),
+    # The proxy path at 2 and 4 processes on one GPU (its kernels write into each process's
+    # mapped host memory; the engines move it between processes).
+    Job("ep2-1GPU-forced-remote-shm-fp8-source-padding16", (0, 0),
+        ("--dispatch", "fp8", "--reduce", "source", "--expert-padding", "16"),
+        timeout_s=120, env=SHM + FORCE_REMOTE),
+    Job("ep2-1GPU-forced-remote-tcp-bf16-expert-split", (0, 0),
+        ("--dispatch", "bf16", "--reduce", "expert", "--split"), timeout_s=120,
+        env=TCP + FORCE_REMOTE),
+    Job("ep4-1GPU-forced-remote-shm-fp8prequantized-expert-bf16partials", (0, 0, 0, 0),
+        ("--dispatch", "fp8-prequantized", "--reduce", "expert", "--partial-dtype", "bfloat16"),
+        timeout_s=150, env=SHM + FORCE_REMOTE),
+    Job("ep2-1GPU-forced-remote-tcp-peer-killed", (0, 0), ("--kill-process", "1"),
         timeout_s=60, env=TCP + FORCE_REMOTE + (("JAX_MOE_TIMEOUT_S", "5"),), killed=1),
 )
 

@@ -1,0 +1,86 @@
+// The row work of the cuda host proxies (ffi/cuda/host_proxy.h) on the GPU: each half of the
+// host protocol (ffi/host/exchange.h, buffer layout cuda/layout.cuh) runs as a CPU phase of
+// the proxy thread, one of these kernels, and another CPU phase. The kernels read and write
+// the host memory the protocol's buffers live in, mapped into the device: this rank's host
+// buffer, the other local ranks' buffers and the staging copies of the remote ranks (one
+// cudaHostRegister each, at setup). They produce the host backend's bits (docs/semantics.md).
+// Host-compilable: launchers and the structs they share with the proxy.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/api.cuh"
+#include "cuda/layout.cuh"
+
+namespace jax_moe {
+
+// What the proxy's CPU phases and the kernels pass each other, in mapped pinned host memory.
+// The CPU writes before it reports its phase done; a kernel runs after that report, and the
+// next CPU phase starts after the kernel (the stream rings the next doorbell).
+struct ProxyControl {
+  int32_t go;            // the CPU phase before the kernel succeeded (else the kernel skips)
+  int32_t given_tokens;  // dispatch_send kernel -> CPU: num_tokens as given
+  uint64_t first_bad;    // dispatch_send kernel -> CPU: slot << 32 | uint32(id) of the first
+                         // invalid id in (t, k) order; ~0 when none
+  int32_t token_count;   // dispatch_recv CPU -> kernel: entries of ProxyRowsView::tokens
+  int32_t zero_count;    // dispatch_recv CPU -> kernel: entries of ProxyRowsView::zero_rows
+};
+
+// Device memory of one proxy, touched only by its kernels: the dispatch_send kernel's
+// first invalid slot, and its last-block counter. Initialized to {~0, 0}; the last block
+// resets it.
+struct ProxyScratch {
+  unsigned long long first_bad;
+  unsigned int blocks_done;
+};
+
+// Every address the kernels use, fixed for the proxy's life (command buffers replay them).
+struct ProxyRowsView {
+  MoeDims dims;
+  char* const* peers;        // device [R]: every rank's host buffer, or this rank's staging
+                             // copy of it (remote ranks), as the device maps it
+  char* buffer;              // this rank's host buffer, mapped
+  ProxyControl* control;     // mapped
+  ProxyScratch* scratch;     // device
+  const int32_t* aborted;    // the device's DeviceCounters::aborted: the doorbells gave up
+  // Mapped staging of the per-slot data (ffi/host/exchange.h, RecvPlan):
+  int32_t* slot_rows;        // [R, T, K] dispatch_recv's plan; combine_send's input copy
+  float* weights;            // [C]
+  int32_t* group_sizes;      // [L]
+  int32_t* tokens_per_expert;// [L]
+  int32_t* tokens;           // [R * T]
+  int32_t* zero_rows;        // [C]
+};
+
+// Send half of dispatch (after the proxy waited for the acknowledgements): send_dest [T, K],
+// this rank's token count, routes and weights into every peer's view, and each routed token's
+// row (fp8-quantized when `input` asks) into token_slot(peer, rank, t) of every rank holding
+// one of its slots, once per rank. Arguments as launch_dispatch's.
+cudaError_t launch_proxy_dispatch_send(const ProxyRowsView& v, TokenInput input, const void* x,
+                                       const float* x_scales, const int32_t* topk_ids,
+                                       const float* topk_weights, const int32_t* num_tokens,
+                                       int32_t* send_dest, cudaStream_t stream);
+
+// Receive half of dispatch (after the proxy's plan): copies the plan's per-slot outputs and
+// places each listed token from the buffer into all of its rows of x / scales (each token read
+// once); zeroes the padding rows. Rows past the total keep what they held.
+cudaError_t launch_proxy_dispatch_recv(const ProxyRowsView& v, void* x, float* scales,
+                                       float* weights, int32_t* group_sizes,
+                                       int32_t* tokens_per_expert, int32_t* slot_rows,
+                                       cudaStream_t stream);
+
+// Send half of combine (after the proxy waited for the acknowledgements): source mode, each
+// slot's row of y (zeros when dropped) into comb[t][k] of its source's view; expert mode, one
+// partial per (source, token) with a slot here. Copies slot_rows to the staging for the spans.
+cudaError_t launch_proxy_combine_send(const ProxyRowsView& v, const void* y,
+                                      const int32_t* slot_rows, const float* row_weights,
+                                      int32_t* done, cudaStream_t stream);
+
+// Receive half of combine (after the proxy's wait): out [T, H] summed from the buffer.
+cudaError_t launch_proxy_combine_recv(const ProxyRowsView& v, const int32_t* send_dest,
+                                      const float* topk_weights, void* out,
+                                      cudaStream_t stream);
+
+}  // namespace jax_moe
