@@ -15,8 +15,10 @@ The provider comes from JAX_MOE_HOST_PROVIDER / JAX_MOE_HOST_NODE (set by the pa
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import os
+import pickle
 import sys
 import time
 import traceback
@@ -27,6 +29,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `jax_moe
 
 INIT_TIMEOUT_S = 60
 BARRIER_TIMEOUT_MS = 120_000
+PIECE_BYTES = 1 << 20  # of a key-value store value (Meeting.exchange)
 
 
 def configure(config: dict, process_id: int) -> None:
@@ -59,9 +62,18 @@ class Meeting:
     self.client.wait_at_barrier(f"bench_host_remote_{self._count}_{what}", BARRIER_TIMEOUT_MS)
 
   def exchange(self, key: str, mine: bytes, process_id: int, peer: int) -> bytes:
-    self.client.key_value_set(f"bench_host_remote/{key}/{process_id}", mine.hex())
-    return bytes.fromhex(self.client.blocking_key_value_get(f"bench_host_remote/{key}/{peer}",
-                                                            BARRIER_TIMEOUT_MS))
+    """`mine` for the peer's bytes under `key`, in pieces of at most PIECE_BYTES (the store's
+    messages have a size limit; a gathered output is megabytes)."""
+    pieces = [mine[i:i + PIECE_BYTES] for i in range(0, len(mine), PIECE_BYTES)] or [b""]
+    prefix = f"bench_host_remote/{key}"
+    for i, piece in enumerate(pieces):
+      self.client.key_value_set(f"{prefix}/{process_id}/{i}", piece.hex())
+    self.client.key_value_set(f"{prefix}/{process_id}/count", str(len(pieces)))
+
+    def get(suffix: str) -> str:
+      return self.client.blocking_key_value_get(f"{prefix}/{peer}/{suffix}", BARRIER_TIMEOUT_MS)
+
+    return b"".join(bytes.fromhex(get(str(i))) for i in range(int(get("count"))))
 
 
 def run(config: dict, process_id: int, port: int) -> list[dict]:
@@ -85,7 +97,6 @@ def _run(config: dict, process_id: int) -> list[dict]:
 
   import jax
   import numpy as np
-  from jax.experimental import multihost_utils
   from jax.sharding import Mesh, NamedSharding
 
   import jax_moe as jm
@@ -105,9 +116,24 @@ def _run(config: dict, process_id: int) -> list[dict]:
   def global_array(host: np.ndarray) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
+  gathers = itertools.count()
+
   def gathered(tree):
-    """Every process's shards of `tree`, as numpy arrays of the global shape."""
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+    """Every process's shards of `tree`, as numpy arrays of the global shape, through the
+    coordinator's key-value store: a collective (process_allgather) would take NCCL on GPUs,
+    which refuses two processes on one GPU (--gpus 1)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    call = next(gathers)
+    full = []
+    for i, leaf in enumerate(leaves):
+      mine = [(shard.index, np.asarray(shard.data)) for shard in leaf.addressable_shards]
+      theirs = pickle.loads(meeting.exchange(f"gather_{call}_{i}", pickle.dumps(mine),
+                                             process_id, peer))
+      array = np.empty(leaf.shape, leaf.dtype)
+      for index, data in mine + theirs:
+        array[index] = data
+      full.append(array)
+    return jax.tree.unflatten(treedef, full)
 
   def per_iteration(run, what: str, short: int, long_: int) -> dict:
     """Median and spread of (t(n_long) - t(n_short)) / (n_long - n_short) in microseconds;
