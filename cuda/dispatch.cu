@@ -823,19 +823,14 @@ dispatch_local_kernel(CommView v, const void* x, const float* x_scales,
   // those before this block's first chunk into running.
   count_slots(d, topk_ids, 0, d.max_tokens * K, n, first, g.first_row, running);
   if (threadIdx.x == 0) g.ntok[0] = ntok;
+  if (staged) copy_async_wait<0>();  // the staged rows, visible to all after the barrier
   __syncthreads();
   // Nothing is written before the order check, so a refused launch leaves no trace but its
-  // error (and no copy into shared memory still in flight).
-  if (!in_call_order(v, calls, kPhaseBoth, kStageDispatchSend, kStageDispatchRecv)) {
-    copy_async_wait<0>();
-    return;
-  }
+  // error.
+  if (!in_call_order(v, calls, kPhaseBoth, kStageDispatchSend, kStageDispatchRecv)) return;
   if (blockIdx.x == 0 && threadIdx.x == 0 && given != ntok)
     record_error(v, kBadNumTokens, kStageDispatchSend, given);
   clock_mark(v, kClockDispatch, kMarkCountsSeen);
-  // The staged rows may land while the segments are built: finish_segments' barriers make them
-  // visible to every warp before the quantization reads them.
-  if (staged) copy_async_wait<0>();
   finish_segments(d, g);
   write_segments(v, g, x_out, scales_out, weights_out, group_sizes, tokens_per_expert);
   clock_mark(v, kClockDispatch, kMarkSegments);
@@ -967,13 +962,10 @@ struct LocalKernels {
 };
 
 // Vectors a lane quantizes per scale block (send_quantized's CPL): block_size / 8 vectors over
-// at most 32 lanes, and at least four where a block has them. A block's amax then takes
-// log2(lanes) shuffles for four vectors a lane (two at block size 128, not four for each
-// vector) and one division; shuffle and shared-memory waits (short scoreboard) were the first
-// stall of the prefill dispatch in ncu (results/ep1-w1-aca3e77).
+// at most 32 lanes.
 int quantize_cpl(const MoeDims& d) {
   const int vectors = d.block_size / 8;
-  return std::max(vectors / 32, std::min(4, vectors));
+  return vectors / std::min(vectors, 32);
 }
 
 template <typename Kernels>
