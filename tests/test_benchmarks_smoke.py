@@ -149,7 +149,7 @@ def test_checks_reject_a_wrong_dispatch_and_a_wrong_combine():
     mesh = _host_mesh(shape.ranks)
     ctx = methods.make_context(mesh, shape, inputs, traffic(shape, inputs))
     want = ctx.expected
-    comm = methods.make_communicator(ctx, "xla", "source", "f32", expert_padding=1)
+    comm = methods.make_communicator(ctx, "xla", "source", "f32", expert_padding=4)
     method = methods.jax_moe_methods(ctx, comm, ("dispatch",))[0]
     spec = PartitionSpec("ep")
     run = jax.jit(shard_map(method.final, mesh, in_specs=(spec,), out_specs=spec))
@@ -165,6 +165,22 @@ def test_checks_reject_a_wrong_dispatch_and_a_wrong_combine():
     reweighted = dict(got, weights=got["weights"].copy())
     reweighted["weights"][0] += 1e-3
     assert not method.check(reweighted, 0)["passed"]
+
+    # Rank 0's rows: x and scales past sum(group_sizes) are unspecified, a padding row inside
+    # a segment must be zero.
+    L = shape.local_experts
+    sizes, tokens = got["group_sizes"][:L], got["tokens_per_expert"][:L]
+    total = int(sizes.sum())
+    assert total < comm.capacity
+    past = {k: got[k].copy() for k in ("x", "scales")}
+    past["x"][total:comm.capacity] = 1
+    past["scales"][total:comm.capacity] = 3.0
+    assert method.check(dict(got, **past), 0)["passed"]
+    e = int(np.flatnonzero(sizes > tokens)[0])
+    pad_row = int(sizes[:e].sum() + tokens[e])
+    padded = dict(got, x=got["x"].copy())
+    padded["x"][pad_row] = 1
+    assert not method.check(padded, 0)["passed"]
 
     exact = want.combined.astype(ml_dtypes.bfloat16)
     assert reference.check_close(exact, want.combined, want.bound, roundings=1)["passed"]
