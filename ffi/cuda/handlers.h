@@ -1,6 +1,6 @@
 // The XLA FFI handlers of the CUDA backend (platform "CUDA"), one per target:
-//   jax_moe_dispatch_send / _recv / jax_moe_dispatch  (ffi/cuda/dispatch_ffi.cc)
-//   jax_moe_combine_send / _recv / jax_moe_combine    (ffi/cuda/combine_ffi.cc)
+//   jax_moe_dispatch_send / _recv / jax_moe_dispatch  (ffi/cuda/exchange_ffi.cc)
+//   jax_moe_combine_send / _recv / jax_moe_combine    (ffi/cuda/exchange_ffi.cc)
 //   jax_moe_all_reduce                                (ffi/cuda/all_reduce_ffi.cc)
 #pragma once
 

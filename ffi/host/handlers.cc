@@ -1,9 +1,9 @@
-// FFI handlers of the host backend (platform "cpu"): the same targets, arguments and checks
-// as the cuda handlers (ffi/cuda/dispatch_ffi.cc, combine_ffi.cc; jax_moe/backends/cuda.py), run on
-// the thread XLA gives each CPU device; the work is in ffi/host/exchange.cc.
+// FFI handlers of the host backend (platform "cpu"): ffi/exchange_handlers.h's, the cuda
+// backend's targets, operands and checks, run on the thread XLA gives each CPU device; the
+// work is in ffi/host/exchange.cc.
 #include <string>
 
-#include "ffi/exchange_checks.h"
+#include "ffi/exchange_handlers.h"
 #include "ffi/host/exchange.h"
 #include "ffi/host/state.h"
 #include "ffi/native_host.h"
@@ -13,248 +13,99 @@ namespace {
 
 using host::HostRankState;
 
-ffi::ErrorOr<HostRankState*> begin_call(const CallSite& site, int64_t comm_id, int32_t ordinal) {
-  HostRankState* s = host::find_host_rank(comm_id, ordinal);
-  if (s == nullptr || !s->connected) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        std::string(site.target) + ": no connected host communicator state for comm_id=" +
-        std::to_string(comm_id) + " on CPU device " + std::to_string(ordinal) + "; " +
-        site.python_fn + " must run on a device of the mesh given to " +
-        "Communicator(backend='host'), which must not be closed"));
+// The host backend as a platform of ffi/exchange_handlers.h: the halves run on the calling
+// CPU device's thread (ffi/host/exchange.cc).
+struct HostExchange {
+  using State = HostRankState;
+  struct Call {};  // nothing besides the ordinal and the comm id
+
+  static ffi::ErrorOr<State*> begin_call(const CallSite& site, int64_t comm_id,
+                                         int32_t ordinal) {
+    State* s = host::find_host_rank(comm_id, ordinal);
+    if (s == nullptr || !s->connected) {
+      return ffi::Unexpected(ffi::Error::InvalidArgument(
+          std::string(site.target) + ": no connected host communicator state for comm_id=" +
+          std::to_string(comm_id) + " on CPU device " + std::to_string(ordinal) + "; " +
+          site.python_fn + " must run on a device of the mesh given to " +
+          "Communicator(backend='host'), which must not be closed"));
+    }
+    return s;
   }
-  return s;
-}
 
-ffi::Error send(const CallSite& site, HostRankState& s, ffi::AnyBuffer x,
-                ffi::AnyBuffer x_scales, ffi::Buffer<ffi::S32> topk_ids,
-                ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> num_tokens,
-                ffi::Result<ffi::Buffer<ffi::S32>> send_dest) {
-  auto input = check_dispatch_send(site, s.dims, x, x_scales, topk_ids, topk_weights,
-                                   num_tokens, *send_dest);
-  if (input.has_error()) return input.error();
-  host::dispatch_send(s, *input, x.untyped_data(),
-                      static_cast<const float*>(x_scales.untyped_data()), topk_ids.typed_data(),
-                      topk_weights.typed_data(), num_tokens.typed_data(),
-                      send_dest->typed_data());
-  return ffi::Error::Success();
-}
+  static ffi::Error dispatch_send(const CallSite&, Call, State& s, RowInput input,
+                                  const DispatchSendArgs& a) {
+    host::dispatch_send(s, input, a.x, a.x_scales, a.topk_ids, a.topk_weights, a.num_tokens,
+                        a.send_dest);
+    return ffi::Error::Success();
+  }
+  static ffi::Error dispatch_recv(const CallSite&, Call, State& s, const DispatchRecvArgs& a) {
+    host::dispatch_recv(s, a.x, a.scales, a.weights, a.group_sizes, a.tokens_per_expert,
+                        a.slot_rows);
+    return ffi::Error::Success();
+  }
+  static ffi::Error dispatch(const CallSite& site, Call call, State& s, RowInput input,
+                             const DispatchSendArgs& send, const DispatchRecvArgs& recv) {
+    dispatch_send(site, call, s, input, send);
+    return dispatch_recv(site, call, s, recv);
+  }
+  static ffi::Error combine_send(const CallSite&, Call, State& s, const CombineSendArgs& a) {
+    host::combine_send(s, static_cast<const uint16_t*>(a.y), a.slot_rows, a.row_weights,
+                       a.done);
+    return ffi::Error::Success();
+  }
+  static ffi::Error combine_recv(const CallSite&, Call, State& s, const CombineRecvArgs& a) {
+    host::combine_recv(s, a.send_dest, a.topk_weights, static_cast<uint16_t*>(a.out));
+    return ffi::Error::Success();
+  }
+  static ffi::Error combine(const CallSite& site, Call call, State& s,
+                            const CombineSendArgs& send, const CombineRecvArgs& recv) {
+    combine_send(site, call, s, send);
+    return combine_recv(site, call, s, recv);
+  }
+};
 
-void recv(HostRankState& s, ffi::Result<ffi::AnyBuffer> x,
-          ffi::Result<ffi::Buffer<ffi::F32>> scales, ffi::Result<ffi::Buffer<ffi::F32>> weights,
-          ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
-          ffi::Result<ffi::Buffer<ffi::S32>> tokens_per_expert,
-          ffi::Result<ffi::Buffer<ffi::S32>> slot_rows) {
-  host::dispatch_recv(s, x->untyped_data(), scales->typed_data(), weights->typed_data(),
-                      group_sizes->typed_data(), tokens_per_expert->typed_data(),
-                      slot_rows->typed_data());
-}
+using Handlers = ExchangeHandlers<HostExchange>;
 
-ffi::Error DispatchSendImpl(int32_t ordinal, int64_t comm_id, ffi::Token, ffi::Result<ffi::Token>,
-                            ffi::AnyBuffer x,
-                            ffi::AnyBuffer x_scales, ffi::Buffer<ffi::S32> topk_ids,
-                            ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> num_tokens,
-                            ffi::Result<ffi::Buffer<ffi::S32>> send_dest) {
-  const CallSite site{"jax_moe_dispatch_send", "Communicator.dispatch_send"};
-  auto state = begin_call(site, comm_id, ordinal);
-  if (state.has_error()) return state.error();
-  return send(site, **state, x, x_scales, topk_ids, topk_weights, num_tokens, send_dest);
-}
+// A host handler takes the program-order token (backends/ordered_ffi.py) after the comm id
+// and before the buffers, and no stream: Op's (Call, ordinal, comm id, buffers...) behind
+// that signature.
+template <auto Op>
+struct Ordered;
+template <typename... Buffers,
+          ffi::Error (*Op)(HostExchange::Call, int32_t, int64_t, Buffers...)>
+struct Ordered<Op> {
+  static ffi::Error handler(int32_t ordinal, int64_t comm_id, ffi::Token,
+                            ffi::Result<ffi::Token>, Buffers... buffers) {
+    return Op(HostExchange::Call{}, ordinal, comm_id, buffers...);
+  }
+};
 
-// send_dest (from dispatch_send) is taken only so XLA orders this call after it.
-ffi::Error DispatchRecvImpl(int32_t ordinal, int64_t comm_id, ffi::Token, ffi::Result<ffi::Token>,
-                            ffi::Buffer<ffi::S32> send_dest,
-                            ffi::Result<ffi::AnyBuffer> x,
-                            ffi::Result<ffi::Buffer<ffi::F32>> scales,
-                            ffi::Result<ffi::Buffer<ffi::F32>> weights,
-                            ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
-                            ffi::Result<ffi::Buffer<ffi::S32>> tokens_per_expert,
-                            ffi::Result<ffi::Buffer<ffi::S32>> slot_rows) {
-  const CallSite site{"jax_moe_dispatch_recv", "Communicator.dispatch_recv"};
-  auto state = begin_call(site, comm_id, ordinal);
-  if (state.has_error()) return state.error();
-  HostRankState& s = **state;
-  if (auto err = expect_shape(site, "send_dest", send_dest.dimensions(),
-                              {{"max_tokens", s.dims.max_tokens},
-                               {"experts_per_token", s.dims.topk}});
-      err.failure())
-    return err;
-  if (auto err = check_dispatch_recv(site, s.dims, x, scales, weights, group_sizes,
-                                     tokens_per_expert, slot_rows);
-      err.failure())
-    return err;
-  recv(s, x, scales, weights, group_sizes, tokens_per_expert, slot_rows);
-  return ffi::Error::Success();
-}
-
-ffi::Error DispatchImpl(int32_t ordinal, int64_t comm_id, ffi::Token, ffi::Result<ffi::Token>,
-                        ffi::AnyBuffer x, ffi::AnyBuffer x_scales, ffi::Buffer<ffi::S32> topk_ids,
-                        ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> num_tokens,
-                        ffi::Result<ffi::Buffer<ffi::S32>> send_dest,
-                        ffi::Result<ffi::AnyBuffer> x_out,
-                        ffi::Result<ffi::Buffer<ffi::F32>> scales,
-                        ffi::Result<ffi::Buffer<ffi::F32>> weights,
-                        ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
-                        ffi::Result<ffi::Buffer<ffi::S32>> tokens_per_expert,
-                        ffi::Result<ffi::Buffer<ffi::S32>> slot_rows) {
-  const CallSite site{"jax_moe_dispatch", "Communicator.dispatch"};
-  auto state = begin_call(site, comm_id, ordinal);
-  if (state.has_error()) return state.error();
-  HostRankState& s = **state;
-  // Check everything before sending anything, so a bad call leaves no half-done exchange.
-  if (auto err = check_dispatch_recv(site, s.dims, x_out, scales, weights, group_sizes,
-                                     tokens_per_expert, slot_rows);
-      err.failure())
-    return err;
-  if (auto err = send(site, s, x, x_scales, topk_ids, topk_weights, num_tokens, send_dest);
-      err.failure())
-    return err;
-  recv(s, x_out, scales, weights, group_sizes, tokens_per_expert, slot_rows);
-  return ffi::Error::Success();
-}
-
-ffi::Error CombineSendImpl(int32_t ordinal, int64_t comm_id, ffi::Token, ffi::Result<ffi::Token>,
-                            ffi::Buffer<ffi::BF16> y,
-                           ffi::Buffer<ffi::S32> slot_rows, ffi::Buffer<ffi::F32> row_weights,
-                           ffi::Result<ffi::Buffer<ffi::S32>> done) {
-  const CallSite site{"jax_moe_combine_send", "Communicator.combine_send"};
-  auto state = begin_call(site, comm_id, ordinal);
-  if (state.has_error()) return state.error();
-  HostRankState& s = **state;
-  if (auto err = check_combine_send(site, s.dims, y, slot_rows, row_weights); err.failure())
-    return err;
-  if (auto err = expect_shape(site, "done (output)", done->dimensions(), {{"1", 1}});
-      err.failure())
-    return err;
-  host::combine_send(s, reinterpret_cast<const uint16_t*>(y.untyped_data()),
-                     slot_rows.typed_data(), row_weights.typed_data(), done->typed_data());
-  return ffi::Error::Success();
-}
-
-// `done` (from combine_send) is taken only so XLA orders this call after it.
-ffi::Error CombineRecvImpl(int32_t ordinal, int64_t comm_id, ffi::Token, ffi::Result<ffi::Token>,
-                            ffi::Buffer<ffi::S32> done,
-                           ffi::Buffer<ffi::S32> send_dest, ffi::Buffer<ffi::F32> topk_weights,
-                           ffi::Result<ffi::Buffer<ffi::BF16>> out) {
-  const CallSite site{"jax_moe_combine_recv", "Communicator.combine_recv"};
-  auto state = begin_call(site, comm_id, ordinal);
-  if (state.has_error()) return state.error();
-  HostRankState& s = **state;
-  if (auto err = expect_shape(site, "done", done.dimensions(), {{"1", 1}}); err.failure())
-    return err;
-  if (auto err = check_combine_recv(site, s.dims, send_dest, topk_weights, *out); err.failure())
-    return err;
-  host::combine_recv(s, send_dest.typed_data(), topk_weights.typed_data(),
-                     reinterpret_cast<uint16_t*>(out->untyped_data()));
-  return ffi::Error::Success();
-}
-
-ffi::Error CombineImpl(int32_t ordinal, int64_t comm_id, ffi::Token, ffi::Result<ffi::Token>,
-                            ffi::Buffer<ffi::BF16> y,
-                       ffi::Buffer<ffi::S32> slot_rows, ffi::Buffer<ffi::F32> row_weights,
-                       ffi::Buffer<ffi::S32> send_dest, ffi::Buffer<ffi::F32> topk_weights,
-                       ffi::Result<ffi::Buffer<ffi::BF16>> out,
-                       ffi::Result<ffi::Buffer<ffi::S32>> done) {
-  const CallSite site{"jax_moe_combine", "Communicator.combine"};
-  auto state = begin_call(site, comm_id, ordinal);
-  if (state.has_error()) return state.error();
-  HostRankState& s = **state;
-  if (auto err = check_combine_send(site, s.dims, y, slot_rows, row_weights); err.failure())
-    return err;
-  if (auto err = check_combine_recv(site, s.dims, send_dest, topk_weights, *out); err.failure())
-    return err;
-  if (auto err = expect_shape(site, "done (output)", done->dimensions(), {{"1", 1}});
-      err.failure())
-    return err;
-  host::combine_send(s, reinterpret_cast<const uint16_t*>(y.untyped_data()),
-                     slot_rows.typed_data(), row_weights.typed_data(), done->typed_data());
-  host::combine_recv(s, send_dest.typed_data(), topk_weights.typed_data(),
-                     reinterpret_cast<uint16_t*>(out->untyped_data()));
-  return ffi::Error::Success();
+// The binding prefix every host target shares (Ordered's leading parameters).
+auto host_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Attr<int64_t>("comm_id")
+      .Arg<ffi::Token>()  // program order (ordered_ffi.py)
+      .Ret<ffi::Token>();
 }
 
 }  // namespace
 }  // namespace jax_moe
 
 namespace ffi = xla::ffi;
+using jax_moe::Handlers;
+using jax_moe::Ordered;
+using jax_moe::host_binding;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HostDispatchSendFfi, jax_moe::DispatchSendImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("comm_id")
-                                  .Arg<ffi::Token>()               // program order (ordered_ffi.py)
-                                  .Ret<ffi::Token>()
-                                  .Arg<ffi::AnyBuffer>()           // x
-                                  .Arg<ffi::AnyBuffer>()           // x_scales
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // topk_ids
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // topk_weights
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // num_tokens
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // send_dest
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HostDispatchRecvFfi, jax_moe::DispatchRecvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("comm_id")
-                                  .Arg<ffi::Token>()               // program order (ordered_ffi.py)
-                                  .Ret<ffi::Token>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // send_dest
-                                  .Ret<ffi::AnyBuffer>()           // x
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // scales
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // weights
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // group_sizes
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // tokens_per_expert
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // slot_rows
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HostDispatchFfi, jax_moe::DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("comm_id")
-                                  .Arg<ffi::Token>()               // program order (ordered_ffi.py)
-                                  .Ret<ffi::Token>()
-                                  .Arg<ffi::AnyBuffer>()           // x
-                                  .Arg<ffi::AnyBuffer>()           // x_scales
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // topk_ids
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // topk_weights
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // num_tokens
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // send_dest
-                                  .Ret<ffi::AnyBuffer>()           // x
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // scales
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // weights
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // group_sizes
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // tokens_per_expert
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // slot_rows
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HostCombineSendFfi, jax_moe::CombineSendImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("comm_id")
-                                  .Arg<ffi::Token>()               // program order (ordered_ffi.py)
-                                  .Ret<ffi::Token>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()   // y
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // slot_rows
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // row_weights
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // done
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HostCombineRecvFfi, jax_moe::CombineRecvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("comm_id")
-                                  .Arg<ffi::Token>()               // program order (ordered_ffi.py)
-                                  .Ret<ffi::Token>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // done
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // send_dest
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // topk_weights
-                                  .Ret<ffi::Buffer<ffi::BF16>>()); // out
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HostCombineFfi, jax_moe::CombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("comm_id")
-                                  .Arg<ffi::Token>()               // program order (ordered_ffi.py)
-                                  .Ret<ffi::Token>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()   // y
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // slot_rows
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // row_weights
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // send_dest
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // topk_weights
-                                  .Ret<ffi::Buffer<ffi::BF16>>()   // out
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // done
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostDispatchSendFfi, Ordered<&Handlers::dispatch_send>::handler,
+                              jax_moe::bind_dispatch_send(host_binding()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostDispatchRecvFfi, Ordered<&Handlers::dispatch_recv>::handler,
+                              jax_moe::bind_dispatch_recv(host_binding()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostDispatchFfi, Ordered<&Handlers::dispatch>::handler,
+                              jax_moe::bind_dispatch(host_binding()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostCombineSendFfi, Ordered<&Handlers::combine_send>::handler,
+                              jax_moe::bind_combine_send(host_binding()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostCombineRecvFfi, Ordered<&Handlers::combine_recv>::handler,
+                              jax_moe::bind_combine_recv(host_binding()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostCombineFfi, Ordered<&Handlers::combine>::handler,
+                              jax_moe::bind_combine(host_binding()));

@@ -4,7 +4,7 @@ Both run the same FFI targets with the same arguments and results (the handlers 
 and ffi/host/ share one argument order), keep one rank state per local device of the mesh, and
 differ in how the states are made and connected (`_make_ranks`, `_create_rank`) and how a call
 is emitted (`_call`: a plain FFI call on GPUs, an ordered one on CPUs). The FFI targets and
-their argument order are those of ffi/cuda/dispatch_ffi.cc and ffi/cuda/combine_ffi.cc.
+their argument order are those of ffi/exchange_handlers.h.
 """
 
 from __future__ import annotations
