@@ -191,10 +191,12 @@ void CudaProxy::run() {
     host_->first_post_ns = 0;
     try {
       serve(op);
-    } catch (const std::exception&) {
+    } catch (...) {
       // The exchange turns transport failures into TIMEOUT; what may still throw here is an
-      // allocation. The ranks' sequences then no longer agree, so the rank is broken as
-      // after a timeout, and the stream still gets its answer (control_->go stays 0).
+      // allocation (or anything else: an exception must not end the thread, or the stream
+      // would wait for an answer that never comes). The ranks' sequences then no longer
+      // agree, so the rank is broken as after a timeout, and the stream still gets its answer
+      // (control_->go stays 0).
       host_->record_error(kTimeout, kStageProxy, host_->dims.rank);
       host_->timed_out = true;
     }
