@@ -48,9 +48,12 @@ class RemotePeers {
   virtual char* staging_memory() = 0;
   virtual uint64_t staging_memory_bytes() const = 0;
   // Posts spans_by_peer[p] to every remote peer p (one write each; one immediate-only write
-  // when the list is empty) and waits until they completed locally, so the staging copies
-  // may be reused. False on a transport failure or timeout, naming the peer in `failed_peer`
-  // (-1 when writes did not complete in time and none failed: no peer can be named).
+  // when the list is empty) and returns once they are posted: nothing waits for their local
+  // completion, because a staging copy is rewritten only after its receiver acknowledged the
+  // call it carried (the halves wait for the acknowledgements first), and by then every
+  // write of that call has landed. False on a transport failure or a full transmit queue
+  // past `timeout_s`, naming the peer in `failed_peer`; a write that fails after it was
+  // posted stops the engine, and the next post or wait reports it.
   virtual bool post(Signal signal, uint64_t seq,
                     const std::vector<std::vector<Span>>& spans_by_peer, double timeout_s,
                     int* failed_peer) = 0;

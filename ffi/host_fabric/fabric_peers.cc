@@ -104,12 +104,11 @@ bool FabricPeers::post(Signal signal, uint64_t seq,
                         seconds_left(deadline));
       }
     }
-    peer = -1;
-    engine_.flush(seconds_left(deadline));
   } catch (const transport::TransportError&) {
-    // Posting names its peer; a flush names the peer of a failed write, or none (-1) when
-    // writes just did not complete in time.
-    *failed_peer = peer >= 0 ? peer : engine_.failed_peer();
+    // The peer being posted to, or the peer of an earlier write that failed and stopped the
+    // engine (remote_peers.h: posts do not wait for completions).
+    const int failed = engine_.failed_peer();
+    *failed_peer = failed >= 0 ? failed : peer;
     return false;
   }
   return true;
