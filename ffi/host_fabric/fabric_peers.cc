@@ -50,6 +50,14 @@ FabricPeers::FabricPeers(const transport::Config& config, int world,
 }
 
 FabricPeers::~FabricPeers() {
+  // Posts do not wait for their completions (remote_peers.h), so this rank's last writes may
+  // still be on their way; a peer may be waiting for them, and closing the endpoint would drop
+  // them. Waits for them for at most the engine's timeout (a dead peer's writes fail sooner).
+  try {
+    engine_.flush(0);
+  } catch (const transport::TransportError&) {
+    // A failed or late write: its peer reports it; nothing here can.
+  }
   try {
     engine_.close();  // joins the progress thread before the staging memory goes
   } catch (const transport::TransportError&) {
