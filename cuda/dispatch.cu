@@ -284,23 +284,17 @@ __device__ void send_quantized(const MoeDims& d, const uint4* row, const Sink& s
           pair = abs_max_bits(values[c], pair);
         }
       }
-      uint32_t bits = max(pair & 0xffffu, pair >> 16);
-      for (int offset = lanes_per_block / 2; offset > 0; offset >>= 1)
-        bits = max(bits, __shfl_xor_sync(kFullMask, bits, offset));
+      const BlockQuant q = block_quant(pair, lanes_per_block);  // the same in the block's lanes
       if (!active) continue;
-      const bool finite = bits < 0x7f80u;  // the same in every lane of the block
-      const float amax = max_keep_nan(__uint_as_float(bits << 16), 1e-4f);
-      const float scale = __fmul_rn(amax, kInv448);
-      const float multiplier = __fdiv_rn(448.f, amax);
 #pragma unroll
       for (int c = 0; c < CPL; ++c) {
         float f[8];
         bf16x8_to_f32(values[c], f);
-        const uint2 codes = finite ? quantize8_e4m3_finite(f, multiplier)
-                                   : quantize8_e4m3_nonfinite(f, multiplier);
+        const uint2 codes = q.finite ? quantize8_e4m3_finite(f, q.multiplier)
+                                     : quantize8_e4m3_nonfinite(f, q.multiplier);
         sink.codes(b * chunks_per_block + sub + c * lanes_per_block, codes);
       }
-      if (sub == 0) sink.scale(b, scale);
+      if (sub == 0) sink.scale(b, q.scale);
     }
   }
   if constexpr (!kStaged) copy_async_wait<0>();  // the ring is free for the warp's next task

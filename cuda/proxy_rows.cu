@@ -76,25 +76,18 @@ __device__ void send_row(const ProxyRowsView& v, const BufferLayout& lay, const 
       uint32_t pair = 0;
       if (active)
         for (int c = sub; c < vectors; c += group) pair = abs_max_bits(row[b * vectors + c], pair);
-      uint32_t bits = max(pair & 0xffffu, pair >> 16);
-      for (int offset = group / 2; offset > 0; offset >>= 1)
-        bits = max(bits, __shfl_xor_sync(kFullMask, bits, offset));
+      const BlockQuant q = block_quant(pair, group);
       if (!active) continue;
-      const bool finite = bits < 0x7f80u;
-      const float amax = max_keep_nan(__uint_as_float(bits << 16), 1e-4f);
-      const float multiplier = __fdiv_rn(448.f, amax);
       for (int c = sub; c < vectors; c += group) {
         float f[8];
         bf16x8_to_f32(row[b * vectors + c], f);
-        const uint2 codes = finite ? quantize8_e4m3_finite(f, multiplier)
-                                   : quantize8_e4m3_nonfinite(f, multiplier);
+        const uint2 codes = q.finite ? quantize8_e4m3_finite(f, q.multiplier)
+                                     : quantize8_e4m3_nonfinite(f, q.multiplier);
         for_each_rank(mask,
                       [&](int p) { reinterpret_cast<uint2*>(slot(p))[b * vectors + c] = codes; });
       }
-      if (sub == 0) {
-        const float scale = __fmul_rn(amax, kInv448);
-        for_each_rank(mask, [&](int p) { reinterpret_cast<float*>(slot(p) + H)[b] = scale; });
-      }
+      if (sub == 0)
+        for_each_rank(mask, [&](int p) { reinterpret_cast<float*>(slot(p) + H)[b] = q.scale; });
     }
   }
 }

@@ -76,6 +76,24 @@ __device__ inline uint32_t abs_max_bits(const uint4& v, uint32_t m) {
   return __vmaxu2(__vmaxu2(m, v.z & kMagnitude), v.w & kMagnitude);
 }
 
+// One scale block's quantization (docs/semantics.md) from the abs_max_bits `pair` of each of
+// its `lanes` lanes (xor neighbours, a power of two; every lane of the warp calls): the amax
+// is the largest magnitude's bits, NaN kept, at least 1e-4; scale = amax * f32(1/448), and
+// codes are e4m3fn(x * multiplier) with multiplier = 448 / amax (quantize8_e4m3_*); a block
+// with an Inf or NaN amax is not `finite`.
+struct BlockQuant {
+  bool finite;
+  float scale;
+  float multiplier;
+};
+__device__ inline BlockQuant block_quant(uint32_t pair, int lanes) {
+  uint32_t bits = max(pair & 0xffffu, pair >> 16);
+  for (int offset = lanes / 2; offset > 0; offset >>= 1)
+    bits = max(bits, __shfl_xor_sync(kFullMask, bits, offset));
+  const float amax = max_keep_nan(__uint_as_float(bits << 16), 1e-4f);
+  return {bits < 0x7f80u, __fmul_rn(amax, kInv448), __fdiv_rn(448.f, amax)};
+}
+
 // Eight values of a block with a finite amax to e4m3fn codes (byte i = value i):
 // e4m3fn(clip(x * multiplier)) as quantize_e4m3 computes it. With a finite amax no product is
 // NaN, and the saturating conversion clips to +-448 itself, two values per instruction.
