@@ -284,14 +284,6 @@ combine_local_kernel(CommView v, const uint4* y, const int32_t* slot_rows,
                      const int32_t* send_dest, const float* topk_weights, uint4* out) {
   const MoeDims& d = v.dims;
   const CallCounts calls = load_call_counts(v, kSeqCombineSend, kSeqCombineRecv);
-  // The first chunk's routing (what its row loads depend on) travels with the counters' load
-  // instead of after the order check: one round trip less before the rows (decode sizes).
-  for (int j = chunk_begin(v, blockIdx.x) * d.topk + threadIdx.x;
-       j < chunk_begin(v, blockIdx.x + 1) * d.topk; j += blockDim.x) {
-    prefetch_l1(slot_rows + j);
-    prefetch_l1(send_dest + j);
-    prefetch_l1(topk_weights + j);
-  }
   if (!in_call_order(v, calls, kPhaseBoth, kStageCombineSend, kStageCombineRecv)) return;
   clock_mark(v, kClockCombine, kMarkSendStart);
   if (done && blockIdx.x == 0 && threadIdx.x == 0) *done = 0;

@@ -143,12 +143,6 @@ __device__ inline void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
-// Starts bringing the line holding `address` into L1 and returns at once (prefetch.global.L1):
-// a load the launch must not issue yet (before its call-order check) then finds it there.
-__device__ inline void prefetch_l1(const void* address) {
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(address));
-}
-
 // One warp moves 16-byte vectors [begin, end): store(c, load(c)) for each c, with kUnroll
 // loads in flight per lane before their stores (a copy loop with one load in flight is bound
 // by memory latency, not bandwidth).
