@@ -9,7 +9,7 @@ lent machines; CUPTI through JAX does).
   python benchmarks/profile_kernels.py --tokens 128 --dispatch-dtype fp8 --reduce source
 
 With --stages (cuda backend over NVLink) it also prints when each block of the last dispatch and
-combine kernels reached each stage (cuda/stage_clock.cuh: JAX_MOE_STAGE_CLOCKS=1, set here),
+combine kernels reached each stage (ffi/protocol/stage_clock.h: JAX_MOE_STAGE_CLOCKS=1, set here),
 as min / median / max over blocks in us from the kernel's first block start.
 """
 

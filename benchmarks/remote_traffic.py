@@ -30,7 +30,7 @@ def _align16(n: int) -> int:
 
 
 def token_bytes(hidden: int, fp8: bool, block_size: int) -> int:
-  """Bytes of one token in the dispatch region (cuda/layout.cuh token_bytes)."""
+  """Bytes of one token in the dispatch region (ffi/protocol/dims.h token_bytes)."""
   return _align16(hidden + 4 * (hidden // block_size)) if fp8 else 2 * hidden
 
 

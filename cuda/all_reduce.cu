@@ -1,5 +1,5 @@
 // All-reduce (sum) over NVLink for small and medium messages: one-shot and two-shot through
-// peer-mapped buffers. Buffer layout and the parity argument: cuda/all_reduce_layout.cuh;
+// peer-mapped buffers. Buffer layout and the parity argument: ffi/protocol/all_reduce_layout.h;
 // how a message is cut into vectors and blocks: cuda/all_reduce_common.cuh. Flags hold the
 // call's sequence number (kept in device memory, advanced by the last block), which makes the
 // launch independent of host state and so capturable in a command buffer.

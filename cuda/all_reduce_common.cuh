@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "cuda/all_reduce_layout.cuh"
+#include "ffi/protocol/all_reduce_layout.h"
 #include "cuda/rows.cuh"
 #include "cuda/sync.cuh"
 

@@ -8,9 +8,10 @@
 
 #include <cstdint>
 
-#include "cuda/all_reduce_layout.cuh"
-#include "cuda/layout.cuh"
-#include "cuda/nvlink_layout.cuh"
+#include "cuda/comm_view.cuh"
+#include "ffi/protocol/all_reduce_layout.h"
+#include "ffi/protocol/host_layout.h"
+#include "ffi/protocol/nvlink_layout.h"
 
 namespace jax_moe {
 
@@ -21,8 +22,8 @@ enum TokenInput : int {
   kInputFp8 = 2,           // x fp8 e4m3fn [T, H] with x_scales f32 [T, H/bs], sent as given
 };
 
-// Dispatch over NVLink (protocol: cuda/nvlink_layout.cuh). `phases` (ExchangePhase,
-// cuda/nvlink_layout.cuh) picks the halves this launch runs; the fused op runs both in one kernel.
+// Dispatch over NVLink (protocol: ffi/protocol/nvlink_layout.h). `phases` (ExchangePhase, in
+// the same header) picks the halves this launch runs; the fused op runs both in one kernel.
 // Send half (source rank): writes its routes and every routed token to each rank that holds
 // one of its slots. `num_tokens` is int32 [1]; `send_dest` int32 [T, K] gets the rank of each
 // valid slot, -1 otherwise. Receive half (destination rank): writes the layout of

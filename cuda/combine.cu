@@ -1,6 +1,6 @@
 // Combine over NVLink, one kernel with a send phase and a receive phase (the fused op runs
 // both, combine_send / combine_recv one each). Protocol and buffer layout:
-// cuda/nvlink_layout.cuh; the sums: docs/semantics.md.
+// ffi/protocol/nvlink_layout.h; the sums: docs/semantics.md.
 //
 // Send (every rank, as the expert rank): per chunk of tokens of every source, each dispatched
 // row ("source" mode), or one weighted partial per (source, token) ("expert" mode), goes to

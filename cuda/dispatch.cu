@@ -1,6 +1,6 @@
 // Dispatch over NVLink, one kernel with a send phase and a receive phase (the fused op runs
 // both, dispatch_send / dispatch_recv one each). Protocol and buffer layout:
-// cuda/nvlink_layout.cuh; the output layout: docs/semantics.md.
+// ffi/protocol/nvlink_layout.h; the output layout: docs/semantics.md.
 //
 // Send (every rank, as a source):
 //   the first route_blocks blocks first route, each a part of the slots: validate the ids,
@@ -50,7 +50,7 @@ __device__ inline TokenDests token_dests(const CommView& v, const NvlinkLayout& 
 // Where the send writes one token's pieces: a sink takes 16-byte vectors (vector), 8-byte
 // groups of fp8 codes (codes, index in 8-byte units) and f32 scales (scale) of the row.
 // SlotSink writes the token's slot on every destination rank (codes, then the scales from
-// byte `scales_at`; the tokens region of cuda/nvlink_layout.cuh).
+// byte `scales_at`; the tokens region of ffi/protocol/nvlink_layout.h).
 struct SlotSink {
   TokenDests dests;
   size_t scales_at;
@@ -107,7 +107,7 @@ constexpr int kRouteUnroll = 4;  // slots per lane loaded at once (one pass at 2
 //     source's row count;
 // (c) every warp goes over its piece again in order: slot j's rank = the warp's running count
 //     for its expert + the lanes before it with the same expert. The record {seq, rank * L +
-//     e, weight} goes to the expert's rank only (the slots region of cuda/nvlink_layout.cuh).
+//     e, weight} goes to the expert's rank only (the slots region of ffi/protocol/nvlink_layout.h).
 __device__ void route_slots(const CommView& v, const NvlinkLayout& lay, uint64_t seq, int part,
                             const int32_t* topk_ids, const float* topk_weights, int ntok,
                             int32_t* send_dest, int32_t* table) {

@@ -1,10 +1,10 @@
 // Block-level pieces of the NVLink dispatch/combine kernels (cuda/dispatch.cu,
 // cuda/combine.cu): chunks, per-chunk sequences, parity regions, and the flags a block raises
-// and waits for. Layout and protocol: cuda/nvlink_layout.cuh.
+// and waits for. Layout and protocol: ffi/protocol/nvlink_layout.h.
 #pragma once
 
-#include "cuda/nvlink_layout.cuh"
-#include "cuda/stage_clock.cuh"
+#include "ffi/protocol/nvlink_layout.h"
+#include "ffi/protocol/stage_clock.h"
 #include "cuda/sync.cuh"
 
 namespace jax_moe {
@@ -23,7 +23,7 @@ __device__ inline void load_peers(const CommView& v) {
   __syncthreads();
 }
 
-// Records when thread 0 of this block reached `mark` (cuda/stage_clock.cuh); nothing unless
+// Records when thread 0 of this block reached `mark` (ffi/protocol/stage_clock.h); nothing unless
 // the communicator was built with stage clocks.
 __device__ inline void clock_mark(const CommView& v, ClockKernel kernel, ClockMark mark) {
   if (v.stage_clock == nullptr || threadIdx.x != 0) return;

@@ -1,6 +1,6 @@
 // The row work of the cuda host proxies (ffi/cuda/host_proxy.h) on the GPU: each half of the
-// host protocol (ffi/host/exchange.h, buffer layout cuda/layout.cuh) runs as a CPU phase of
-// the proxy thread, one of these kernels, and another CPU phase. The kernels read and write
+// host protocol (ffi/host/exchange.h, buffer layout ffi/protocol/host_layout.h) runs as a CPU
+// phase of the proxy thread, one of these kernels, and another CPU phase. The kernels read and write
 // the host memory the protocol's buffers live in, mapped into the device: this rank's host
 // buffer, the other local ranks' buffers and the staging copies of the remote ranks (one
 // cudaHostRegister each, at setup). They produce the host backend's bits (docs/semantics.md).
@@ -12,7 +12,7 @@
 #include <cstdint>
 
 #include "cuda/api.cuh"
-#include "cuda/layout.cuh"
+#include "ffi/protocol/host_layout.h"
 
 namespace jax_moe {
 

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "cuda/layout.cuh"
+#include "ffi/protocol/host_layout.h"
 #include "cuda/sync.cuh"
 
 namespace jax_moe {

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "cuda/layout.cuh"
+#include "cuda/comm_view.cuh"
 
 namespace jax_moe {
 

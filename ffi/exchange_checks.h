@@ -2,7 +2,7 @@
 // host handlers (same targets, same argument order: jax_moe/backends/cuda.py).
 #pragma once
 
-#include "cuda/layout.cuh"
+#include "ffi/protocol/dims.h"
 #include "ffi/handler_checks.h"
 
 namespace jax_moe {

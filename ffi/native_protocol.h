@@ -1,11 +1,11 @@
 // The contract between the nanobind module (ffi/module.cc) and the protocol's Python side:
-// MoeDims (cuda/layout.cuh) bound as jax_moe._native.MoeDims, whose fields Python sets from
+// MoeDims (ffi/protocol/dims.h) bound as jax_moe._native.MoeDims, whose fields Python sets from
 // the MoEConfig (jax_moe/backends/native_backend.py moe_dims), the enums and the buffer sizes.
 #pragma once
 
 #include <nanobind/nanobind.h>
 
-#include "cuda/layout.cuh"
+#include "ffi/protocol/dims.h"
 
 namespace jax_moe {
 

@@ -31,7 +31,7 @@ from jax_moe import native
 from jax_moe.errors import CommError
 
 ALGORITHMS = ("auto", "one_shot", "two_shot", "nvls", "psum")
-# AllReduceAlgorithm of cuda/layout.cuh (tests/test_protocol_enums.py checks they agree)
+# AllReduceAlgorithm of ffi/protocol/dims.h (tests/test_protocol_enums.py checks they agree)
 _KERNEL_IDS = {"one_shot": 0, "two_shot": 1, "nvls": 2}
 DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 DEFAULT_MAX_BYTES = 8 << 20

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 
 
-# ErrorCode and Stage mirror cuda/layout.cuh (import jax_moe works without the native module);
+# ErrorCode and Stage mirror ffi/protocol/dims.h (import jax_moe works without the native module);
 # tests/test_protocol_enums.py checks them against the built module's protocol_enums().
 class ErrorCode(enum.IntEnum):
   OK = 0

@@ -1,5 +1,6 @@
 """What a communicator takes in memory per rank, from the native layouts themselves
-(`jax_moe._native.buffer_bytes` reads cuda/nvlink_layout.cuh and cuda/layout.cuh)."""
+(`jax_moe._native.buffer_bytes` reads ffi/protocol/nvlink_layout.h and
+ffi/protocol/host_layout.h)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """When the cuda backend goes through its host proxies (backends/cuda_proxy.py): the setting
-and the host-name check, without a GPU; the stage-clock switch (cuda/stage_clock.cuh). The path itself runs on GPUs in
-gpu/test_cuda_backend.py (one process) and gpu/test_multiprocess.py (across processes)."""
+and the host-name check, without a GPU; the stage-clock switch (ffi/protocol/stage_clock.h).
+The path itself runs on GPUs in gpu/test_cuda_backend.py (one process) and
+gpu/test_multiprocess.py (across processes)."""
 
 import types
 

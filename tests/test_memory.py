@@ -13,7 +13,7 @@ def test_buffers_hold_every_region_and_grow_with_what_they_carry():
   R, T, H, K, E = 8, 128, 7168, 8, 256
   cfg = jm.MoEConfig(E, K, H, T, combine_reduce="expert", partial_dtype=jnp.bfloat16)
   got = memory.per_rank_bytes(cfg, R)
-  token = H + 4 * (H // 128)  # fp8 codes + f32 scales (cuda/layout.cuh token_bytes)
+  token = H + 4 * (H // 128)  # fp8 codes + f32 scales (ffi/protocol/dims.h token_bytes)
   # Two parities of: tokens [R][T], partials [R][T][H] bf16, routes [R][T][K] (codes, weights).
   per_parity = R * T * token + R * T * H * 2 + 2 * 4 * R * T * K
   assert 2 * per_parity <= got["nvlink_buffer"] <= 2 * per_parity + 2**20

@@ -1,4 +1,4 @@
-"""The enums Python mirrors from the native protocol header (cuda/layout.cuh) agree with it:
+"""The enums Python mirrors from the native protocol header (ffi/protocol/dims.h) agree with it:
 error codes, stages and the AllReduce's algorithm ids, read from the built module; MoeDims is
 set by name from a MoEConfig and checked by the bindings that take it."""
 

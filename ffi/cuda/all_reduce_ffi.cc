@@ -31,7 +31,7 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id,
   auto state = begin_call(site, comm_id, ordinal);
   if (state.has_error()) return state.error();
   CudaRankState& s = **state;
-  if (!s.is_all_reduce)
+  if (!s.all_reduce)
     return ffi::Error::InvalidArgument(std::string(site.target) + ": comm_id=" +
                                        std::to_string(comm_id) + " is not an AllReduce");
   auto dtype = reduce_dtype(site, x.element_type());
@@ -43,28 +43,29 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t ordinal, int64_t comm_id,
     return ffi::Error::InvalidArgument(std::string(site.target) + ": out (output) has " +
                                        std::to_string(out->element_count()) + " elements, x " +
                                        std::to_string(x.element_count()));
-  if (x.size_bytes() > s.all_reduce.slot_bytes)
+  if (x.size_bytes() > s.all_reduce->layout.slot_bytes)
     return ffi::Error::InvalidArgument(
         std::string(site.target) + ": x has " + std::to_string(x.size_bytes()) +
         " bytes, more than this AllReduce's max_bytes (" +
-        std::to_string(s.all_reduce.slot_bytes) + " after rounding up to 256)");
+        std::to_string(s.all_reduce->layout.slot_bytes) + " after rounding up to 256)");
   const int64_t n = static_cast<int64_t>(x.element_count());
   const CommView view = s.view();
+  const AllReduceRank& r = *s.all_reduce;
   switch (algorithm) {
     case kOneShot:
-      return launch_result(site, launch_all_reduce_one_shot(view, s.all_reduce, *dtype,
+      return launch_result(site, launch_all_reduce_one_shot(view, r.layout, *dtype,
                                                             x.untyped_data(), out->untyped_data(),
                                                             n, stream));
     case kTwoShot:
-      return launch_result(site, launch_all_reduce_two_shot(view, s.all_reduce, *dtype,
+      return launch_result(site, launch_all_reduce_two_shot(view, r.layout, *dtype,
                                                             x.untyped_data(), out->untyped_data(),
                                                             n, stream));
     case kNvls:
-      if (s.multicast == nullptr)
+      if (r.multicast == nullptr)
         return ffi::Error::InvalidArgument(std::string(site.target) +
                                            ": NVLS was not set up for this AllReduce");
-      return launch_result(site, launch_all_reduce_nvls(view, s.all_reduce, s.multicast,
-                                                        s.multicast_local, *dtype,
+      return launch_result(site, launch_all_reduce_nvls(view, r.layout, r.multicast,
+                                                        r.multicast_local, *dtype,
                                                         x.untyped_data(), out->untyped_data(), n,
                                                         stream));
     default:

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/stage_clock.cuh"
+#include "ffi/protocol/stage_clock.h"
 #include "ffi/cuda/handlers.h"
 #include "ffi/cuda/multicast.h"
 #include "ffi/cuda/state.h"
@@ -57,7 +57,7 @@ void bind_cuda(nb::module_& m) {
       },
       nb::arg("comm_id"), nb::arg("ordinal"),
       "{kernel: {mark: [globaltimer ns per block]}} of the rank's latest dispatch/combine "
-      "launches (cuda/stage_clock.cuh; 0 where a mark was never reached); None when the rank "
+      "launches (ffi/protocol/stage_clock.h; 0 where a mark was never reached); None when the rank "
       "was built without stage clocks. Synchronizes the device.");
   m.def("cuda_create_all_reduce_rank", &create_all_reduce_state, nb::arg("comm_id"),
         nb::arg("ordinal"), nb::arg("rank"), nb::arg("world"), nb::arg("max_bytes"),

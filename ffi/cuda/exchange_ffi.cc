@@ -4,6 +4,8 @@
 // (ffi/cuda/host_proxy.h) when its peers are reached through the host.
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "cuda/api.cuh"
 #include "ffi/cuda/handler_util.h"
 #include "ffi/cuda/handlers.h"
@@ -57,7 +59,13 @@ struct CudaExchange {
 
   static ffi::ErrorOr<State*> begin_call(const CallSite& site, int64_t comm_id,
                                          int32_t ordinal) {
-    return jax_moe::begin_call(site, comm_id, ordinal);
+    auto state = jax_moe::begin_call(site, comm_id, ordinal);
+    if (state.has_value() && !(*state)->nvlink && !(*state)->proxy)
+      return ffi::Unexpected(ffi::Error::InvalidArgument(
+          std::string(site.target) + ": comm_id=" + std::to_string(comm_id) +
+          " is an AllReduce, not a Communicator; " + site.python_fn +
+          " takes the Communicator's comm_id"));
+    return state;
   }
 
   static ffi::Error dispatch_send(const CallSite& site, cudaStream_t stream, State& s,

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "cuda/api.cuh"
-#include "cuda/layout.cuh"
+#include "cuda/comm_view.cuh"
 #include "cuda/proxy_rows.cuh"
 
 namespace jax_moe {

@@ -215,7 +215,7 @@ void setup_nvls(int64_t comm_id, const std::vector<int>& ordinals) {
   std::vector<CudaRankState*> states;
   for (size_t r = 0; r < ordinals.size(); ++r) {
     CudaRankState* s = find_rank_state(comm_id, ordinals[r]);
-    if (s == nullptr || !s->is_all_reduce || s->dims.rank != int(r) ||
+    if (s == nullptr || !s->all_reduce || s->dims.rank != int(r) ||
         s->dims.world != int(ordinals.size()))
       throw std::invalid_argument("AllReduce(algorithm='nvls'): device " +
                                   std::to_string(ordinals[r]) + " holds no rank " +
@@ -227,14 +227,14 @@ void setup_nvls(int64_t comm_id, const std::vector<int>& ordinals) {
   NvlsGroup g;
   g.ordinals = ordinals;
   try {
-    build(d, g, 4 * states[0]->all_reduce.slot_bytes);  // in[h] and out[h], h = 0, 1
+    build(d, g, 4 * states[0]->all_reduce->layout.slot_bytes);  // in[h] and out[h], h = 0, 1
   } catch (...) {
     release(d, g);
     throw;
   }
   for (size_t r = 0; r < states.size(); ++r) {
-    states[r]->multicast = reinterpret_cast<char*>(g.multicast);
-    states[r]->multicast_local = reinterpret_cast<char*>(g.unicast[r]);
+    states[r]->all_reduce->multicast = reinterpret_cast<char*>(g.multicast);
+    states[r]->all_reduce->multicast_local = reinterpret_cast<char*>(g.unicast[r]);
   }
   std::lock_guard<std::mutex> lock(nvls_mutex);
   nvls_groups()[comm_id].push_back(std::move(g));
@@ -252,8 +252,8 @@ void teardown_nvls(int64_t comm_id) {
   const Driver d;
   for (NvlsGroup& g : groups) {
     for (int o : g.ordinals) {
-      if (CudaRankState* s = find_rank_state(comm_id, o))
-        s->multicast = s->multicast_local = nullptr;
+      CudaRankState* s = find_rank_state(comm_id, o);
+      if (s && s->all_reduce) s->all_reduce->multicast = s->all_reduce->multicast_local = nullptr;
     }
     release(d, g);
   }

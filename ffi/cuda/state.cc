@@ -11,8 +11,8 @@
 #include <stdexcept>
 #include <utility>
 
-#include "cuda/nvlink_layout.cuh"
-#include "cuda/stage_clock.cuh"
+#include "ffi/protocol/nvlink_layout.h"
+#include "ffi/protocol/stage_clock.h"
 #include "ffi/host/state.h"
 
 namespace jax_moe {
@@ -77,7 +77,7 @@ void validate_nvlink(const MoeDims& d, int chunks) {
   if (route_warps(d) < 1 || place_smem_bytes(d) > kExchangeSmem)
     fail("MoEConfig.num_experts too large for one block's shared memory (at most " +
          std::to_string(kExchangeSmem / 4) + "), got " + std::to_string(d.num_experts));
-  // A slot's code is rank * L + e with rank < T * K (nvlink_layout.cuh), in an int32.
+  // A slot's code is rank * L + e with rank < T * K (ffi/protocol/nvlink_layout.h), in an int32.
   if (double(d.max_tokens) * d.topk * d.local_experts >= 2147483647.0)
     fail("max_tokens * experts_per_token * local experts must be below 2^31");
 }
@@ -88,12 +88,14 @@ void free_state(CudaRankState& s) {
   cudaSetDevice(s.ordinal);
   cudaDeviceSynchronize();
   s.proxy.reset();  // stops its thread before the host rank state it serves can go
-  for (char* p : s.ipc_opened) cudaIpcCloseMemHandle(p);
-  cudaFree(s.peers_device);
-  cudaFree(s.chunk_seq);
-  cudaFree(s.stage_clock);
+  for (char* p : s.peers.ipc_opened) cudaIpcCloseMemHandle(p);
+  cudaFree(s.peers.table_device);
+  cudaFree(s.peers.local);
+  if (s.nvlink) {
+    cudaFree(s.nvlink->chunk_seq);
+    cudaFree(s.nvlink->stage_clock);
+  }
   cudaFree(s.counters);
-  cudaFree(s.buffer);
   if (s.error_host) cudaFreeHost(s.error_host);
   cudaGetLastError();
 }
@@ -102,10 +104,10 @@ void check_timeout(double timeout_s) {
   if (!(timeout_s > 0)) throw std::invalid_argument("JAX_MOE_TIMEOUT_S must be positive");
 }
 
-// Allocates what every kind of state has (buffer of buffer_bytes, counters, peer table, error
-// record), then `extra(s)`, and registers the state; frees everything when any step throws.
-template <typename Extra>
-void create_state(std::unique_ptr<CudaRankState> state, size_t buffer_bytes, Extra extra) {
+// Allocates what every kind of state has (counters, error record), then the feature's part
+// (`feature(s)`), and registers the state; frees everything when any step throws.
+template <typename Feature>
+void create_state(std::unique_ptr<CudaRankState> state, Feature feature) {
   CudaRankState& s = *state;
   std::lock_guard<std::mutex> lock(registry_mutex);
   if (registry().count({s.comm_id, s.ordinal}))
@@ -113,34 +115,40 @@ void create_state(std::unique_ptr<CudaRankState> state, size_t buffer_bytes, Ext
                                 key_text(s.comm_id, s.ordinal));
   try {
     check_cuda(cudaSetDevice(s.ordinal), "cudaSetDevice");
-    int sms = 0;
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, s.ordinal),
-               "cudaDeviceGetAttribute(multiProcessorCount)");
-    s.grid = std::max(1, std::min(s.chunks, sms));
-    const int route_parts = route_blocks(s.dims, s.chunks);
-    if (s.grid < route_parts)
-      throw std::invalid_argument(
-          "Communicator(backend='cuda'): MoEConfig.num_sms (" + std::to_string(s.chunks) +
-          ") needs at least " + std::to_string(route_parts) + " SMs on device " +
-          std::to_string(s.ordinal) + ", which has " + std::to_string(sms));
-    check_cuda(cudaMalloc(&s.buffer, buffer_bytes), "cudaMalloc(communication buffer)");
-    check_cuda(cudaMemset(s.buffer, 0, buffer_bytes), "cudaMemset(communication buffer)");
     check_cuda(cudaMalloc(&s.counters, sizeof(DeviceCounters)), "cudaMalloc(counters)");
     check_cuda(cudaMemset(s.counters, 0, sizeof(DeviceCounters)), "cudaMemset(counters)");
-    check_cuda(cudaMalloc(&s.peers_device, sizeof(char*) * s.dims.world), "cudaMalloc(peer table)");
     check_cuda(cudaHostAlloc(&s.error_host, sizeof(ErrorRecord),
                              cudaHostAllocMapped | cudaHostAllocPortable),
                "cudaHostAlloc(error record)");
     std::memset(s.error_host, 0, sizeof(ErrorRecord));
     check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.error_device), s.error_host, 0),
                "cudaHostGetDevicePointer(error record)");
-    extra(s);
+    feature(s);
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   } catch (...) {
     free_state(s);
     throw;
   }
   registry()[{s.comm_id, s.ordinal}] = std::move(state);
+}
+
+// The buffer every peer maps ([bytes], zeroed) and the device's table of the peers' buffers
+// (filled by connect_rank_state).
+void alloc_peer_buffers(CudaRankState& s, size_t bytes) {
+  check_cuda(cudaMalloc(&s.peers.local, bytes), "cudaMalloc(communication buffer)");
+  check_cuda(cudaMemset(s.peers.local, 0, bytes), "cudaMemset(communication buffer)");
+  check_cuda(cudaMalloc(&s.peers.table_device, sizeof(char*) * s.dims.world),
+             "cudaMalloc(peer table)");
+}
+
+// A state whose rank has a buffer the peers map (not a proxy rank), or throws naming `what`.
+CudaRankState& buffer_rank(int64_t comm_id, int ordinal, const char* what) {
+  CudaRankState& s = lookup(comm_id, ordinal);
+  if (s.peers.local == nullptr)
+    throw std::invalid_argument(std::string("jax_moe cuda backend: ") + what +
+                                ": the rank has no buffer its peers map (a host proxy rank): " +
+                                key_text(comm_id, ordinal));
+  return s;
 }
 
 std::unique_ptr<CudaRankState> new_state(int64_t comm_id, int ordinal, const MoeDims& dims,
@@ -158,15 +166,15 @@ std::unique_ptr<CudaRankState> new_state(int64_t comm_id, int ordinal, const Moe
 CommView CudaRankState::view() const {
   CommView v;
   v.dims = dims;
-  v.local = buffer;
-  v.peers = peers_device;
+  v.local = peers.local;
+  v.peers = peers.table_device;
   v.counters = counters;
   v.error = error_device;
-  v.chunk_seq = chunk_seq;
-  v.stage_clock = stage_clock;
+  v.chunk_seq = nvlink ? nvlink->chunk_seq : nullptr;
+  v.stage_clock = nvlink ? nvlink->stage_clock : nullptr;
   v.timeout_ns = timeout_ns;
-  v.chunks = chunks;
-  v.grid = grid;
+  v.chunks = nvlink ? nvlink->chunks : 1;
+  v.grid = nvlink ? nvlink->grid : 1;
   return v;
 }
 
@@ -179,16 +187,28 @@ void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, int ch
   validate_dims(dims);
   validate_nvlink(dims, chunks);
   check_timeout(timeout_s);
-  auto state = new_state(comm_id, ordinal, dims, timeout_s);
-  state->chunks = chunks;
-  create_state(std::move(state), nvlink_layout(dims, chunks).total, [=](CudaRankState& s) {
-    const size_t bytes = sizeof(uint64_t) * kChunkCounters * s.chunks;
-    check_cuda(cudaMalloc(&s.chunk_seq, bytes), "cudaMalloc(chunk sequences)");
-    check_cuda(cudaMemset(s.chunk_seq, 0, bytes), "cudaMemset(chunk sequences)");
+  create_state(new_state(comm_id, ordinal, dims, timeout_s), [=](CudaRankState& s) {
+    int sms = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, s.ordinal),
+               "cudaDeviceGetAttribute(multiProcessorCount)");
+    s.nvlink = std::make_unique<NvlinkExchange>();
+    NvlinkExchange& n = *s.nvlink;
+    n.chunks = chunks;
+    n.grid = std::max(1, std::min(chunks, sms));
+    const int route_parts = route_blocks(s.dims, chunks);
+    if (n.grid < route_parts)
+      throw std::invalid_argument(
+          "Communicator(backend='cuda'): MoEConfig.num_sms (" + std::to_string(chunks) +
+          ") needs at least " + std::to_string(route_parts) + " SMs on device " +
+          std::to_string(s.ordinal) + ", which has " + std::to_string(sms));
+    alloc_peer_buffers(s, nvlink_layout(s.dims, chunks).total);
+    const size_t bytes = sizeof(uint64_t) * kChunkCounters * chunks;
+    check_cuda(cudaMalloc(&n.chunk_seq, bytes), "cudaMalloc(chunk sequences)");
+    check_cuda(cudaMemset(n.chunk_seq, 0, bytes), "cudaMemset(chunk sequences)");
     if (stage_clocks) {
-      const size_t clock_bytes = sizeof(uint64_t) * kClockKernels * s.grid * kClockMarks;
-      check_cuda(cudaMalloc(&s.stage_clock, clock_bytes), "cudaMalloc(stage clocks)");
-      check_cuda(cudaMemset(s.stage_clock, 0, clock_bytes), "cudaMemset(stage clocks)");
+      const size_t clock_bytes = sizeof(uint64_t) * kClockKernels * n.grid * kClockMarks;
+      check_cuda(cudaMalloc(&n.stage_clock, clock_bytes), "cudaMalloc(stage clocks)");
+      check_cuda(cudaMemset(n.stage_clock, 0, clock_bytes), "cudaMemset(stage clocks)");
     }
   });
 }
@@ -207,11 +227,11 @@ void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, 
   MoeDims dims{};
   dims.world = world;
   dims.rank = rank;
-  auto state = new_state(comm_id, ordinal, dims, timeout_s);
-  state->is_all_reduce = true;
-  state->all_reduce = all_reduce_layout(world, size_t(max_bytes));
-  const size_t bytes = state->all_reduce.total;
-  create_state(std::move(state), bytes, [](CudaRankState&) {});
+  create_state(new_state(comm_id, ordinal, dims, timeout_s), [=](CudaRankState& s) {
+    s.all_reduce = std::make_unique<AllReduceRank>();
+    s.all_reduce->layout = all_reduce_layout(world, size_t(max_bytes));
+    alloc_peer_buffers(s, s.all_reduce->layout.total);
+  });
 }
 
 void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s) {
@@ -222,7 +242,7 @@ void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, 
   // peer's timeout is reported by the host exchange, naming the peer, and only a stuck proxy
   // by the stream's wait.
   const uint64_t wait_ns = static_cast<uint64_t>((3 * timeout_s + 1) * 1e9);
-  create_state(new_state(comm_id, ordinal, dims, timeout_s), 8, [wait_ns](CudaRankState& s) {
+  create_state(new_state(comm_id, ordinal, dims, timeout_s), [wait_ns](CudaRankState& s) {
     s.proxy = std::make_unique<CudaProxy>(s.dims, s.ordinal, wait_ns);
   });
 }
@@ -246,17 +266,17 @@ std::vector<ProxySample> take_proxy_samples(int64_t comm_id, int ordinal) {
 
 std::string rank_ipc_handle(int64_t comm_id, int ordinal) {
   std::lock_guard<std::mutex> lock(registry_mutex);
-  CudaRankState& s = lookup(comm_id, ordinal);
+  CudaRankState& s = buffer_rank(comm_id, ordinal, "rank_ipc_handle");
   check_cuda(cudaSetDevice(ordinal), "cudaSetDevice");
   cudaIpcMemHandle_t handle;
-  check_cuda(cudaIpcGetMemHandle(&handle, s.buffer), "cudaIpcGetMemHandle");
+  check_cuda(cudaIpcGetMemHandle(&handle, s.peers.local), "cudaIpcGetMemHandle");
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
 }
 
 void connect_rank_state(int64_t comm_id, int ordinal, const std::vector<int>& local_ordinals,
                         const std::vector<std::string>& ipc_handles) {
   std::lock_guard<std::mutex> lock(registry_mutex);
-  CudaRankState& s = lookup(comm_id, ordinal);
+  CudaRankState& s = buffer_rank(comm_id, ordinal, "connect");
   const int R = s.dims.world;
   if (s.connected) throw std::invalid_argument("jax_moe cuda backend: already connected: " + key_text(comm_id, ordinal));
   if (int(local_ordinals.size()) != R || int(ipc_handles.size()) != R)
@@ -266,9 +286,9 @@ void connect_rank_state(int64_t comm_id, int ordinal, const std::vector<int>& lo
   std::vector<char*> peers(R, nullptr);
   for (int p = 0; p < R; ++p) {
     if (p == s.dims.rank) {
-      peers[p] = s.buffer;
+      peers[p] = s.peers.local;
     } else if (local_ordinals[p] >= 0) {
-      CudaRankState& other = lookup(comm_id, local_ordinals[p]);
+      CudaRankState& other = buffer_rank(comm_id, local_ordinals[p], "connect (a local peer)");
       int can = 0;
       check_cuda(cudaDeviceCanAccessPeer(&can, ordinal, other.ordinal), "cudaDeviceCanAccessPeer");
       if (!can)
@@ -278,7 +298,7 @@ void connect_rank_state(int64_t comm_id, int ordinal, const std::vector<int>& lo
       const cudaError_t status = cudaDeviceEnablePeerAccess(other.ordinal, 0);
       if (status == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
       else check_cuda(status, "cudaDeviceEnablePeerAccess");
-      peers[p] = other.buffer;
+      peers[p] = other.peers.local;
     } else {
       if (ipc_handles[p].size() != sizeof(cudaIpcMemHandle_t))
         throw std::invalid_argument("jax_moe cuda backend: IPC handle of rank " +
@@ -289,11 +309,12 @@ void connect_rank_state(int64_t comm_id, int ordinal, const std::vector<int>& lo
       void* mapped = nullptr;
       check_cuda(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess),
                  "cudaIpcOpenMemHandle");
-      s.ipc_opened.push_back(static_cast<char*>(mapped));
+      s.peers.ipc_opened.push_back(static_cast<char*>(mapped));
       peers[p] = static_cast<char*>(mapped);
     }
   }
-  check_cuda(cudaMemcpy(s.peers_device, peers.data(), sizeof(char*) * R, cudaMemcpyHostToDevice),
+  check_cuda(cudaMemcpy(s.peers.table_device, peers.data(), sizeof(char*) * R,
+                        cudaMemcpyHostToDevice),
              "cudaMemcpy(peer table)");
   s.connected = true;
 }
@@ -322,12 +343,12 @@ bool take_rank_error(int64_t comm_id, int ordinal, ErrorRecord* out) {
 std::vector<uint64_t> read_stage_clocks(int64_t comm_id, int ordinal, int* grid) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   CudaRankState& s = lookup(comm_id, ordinal);
-  *grid = s.grid;
-  if (s.stage_clock == nullptr) return {};
-  std::vector<uint64_t> out(size_t(kClockKernels) * s.grid * kClockMarks);
+  *grid = s.nvlink ? s.nvlink->grid : 1;
+  if (!s.nvlink || s.nvlink->stage_clock == nullptr) return {};
+  std::vector<uint64_t> out(size_t(kClockKernels) * s.nvlink->grid * kClockMarks);
   check_cuda(cudaSetDevice(ordinal), "cudaSetDevice");
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  check_cuda(cudaMemcpy(out.data(), s.stage_clock, out.size() * sizeof(uint64_t),
+  check_cuda(cudaMemcpy(out.data(), s.nvlink->stage_clock, out.size() * sizeof(uint64_t),
                         cudaMemcpyDeviceToHost),
              "cudaMemcpy(stage clocks)");
   return out;

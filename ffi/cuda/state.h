@@ -1,8 +1,8 @@
 // Per-device state of the CUDA backend: one rank of one communicator (a MoE Communicator or
 // an AllReduce) on one local GPU. Created and connected from Python (ffi/cuda/bindings.cc)
 // outside jit; looked up by the FFI handlers by (comm id, device ordinal), from XLA's per-GPU
-// threads. Both kinds share the peer mapping, the counters and the error record; they differ
-// in the layout of the buffer every peer maps.
+// threads. Every kind has the counters and the error record; the rest is the part of its
+// feature (NVLink exchange, host proxy, all-reduce).
 #pragma once
 
 #include <cstdint>
@@ -10,39 +10,59 @@
 #include <string>
 #include <vector>
 
-#include "cuda/all_reduce_layout.cuh"
-#include "cuda/layout.cuh"
+#include "cuda/comm_view.cuh"
 #include "ffi/cuda/host_proxy.h"
+#include "ffi/protocol/all_reduce_layout.h"
 
 namespace jax_moe {
+
+// The parts of a rank state, one per feature, which CudaRankState holds.
+
+// The buffer every peer maps (NVLink exchange and AllReduce ranks): this rank's buffer, and
+// every rank's buffer as this device addresses it.
+struct PeerBuffers {
+  char* local = nullptr;           // this rank's buffer (nvlink_layout or all_reduce_layout)
+  char** table_device = nullptr;   // device array [R] of every rank's buffer, mapped here
+  std::vector<char*> ipc_opened;   // buffers of ranks in other processes, through CUDA IPC
+};
+
+// The NVLink dispatch/combine of a MoE rank (ffi/protocol/nvlink_layout.h).
+struct NvlinkExchange {
+  int chunks = 1;                  // token chunks of the protocol (the same on every rank)
+  int grid = 1;                    // blocks per dispatch/combine launch, <= chunks
+  uint64_t* chunk_seq = nullptr;   // device [kChunkCounters][chunks]
+  uint64_t* stage_clock = nullptr; // device, ffi/protocol/stage_clock.h; null unless asked for
+};
+
+// An AllReduce rank: its buffer's layout and, where NVLS was set up (ffi/cuda/multicast.h;
+// never where multicast is refused), this rank's mapping of the multicast region and its own
+// copy of it.
+struct AllReduceRank {
+  AllReduceLayout layout{};
+  char* multicast = nullptr;
+  char* multicast_local = nullptr;
+};
 
 struct CudaRankState {
   int64_t comm_id = 0;
   int ordinal = 0;
   MoeDims dims{};                         // an AllReduce sets only world and rank
-  bool is_all_reduce = false;
-  AllReduceLayout all_reduce{};           // the buffer's layout when is_all_reduce
-  // NVLS (ffi/cuda/multicast.h): this rank's mapping of the multicast region and its own copy
-  // of it; nullptr unless NVLS was set up (never where multicast is refused).
-  char* multicast = nullptr;
-  char* multicast_local = nullptr;
-  char* buffer = nullptr;                 // this rank's buffer (buffer_layout / all_reduce)
+  uint64_t timeout_ns = 0;
   DeviceCounters* counters = nullptr;     // device memory
-  uint64_t* chunk_seq = nullptr;          // device [kChunkCounters][chunks] (nvlink_layout.cuh)
-  uint64_t* stage_clock = nullptr;        // device, cuda/stage_clock.cuh; null unless asked for
-  char** peers_device = nullptr;          // device array [R] of peer buffers
-  std::vector<char*> ipc_opened;          // peer buffers mapped through CUDA IPC
   ErrorRecord* error_host = nullptr;      // mapped pinned host memory
   ErrorRecord* error_device = nullptr;    // the same record as the kernels address it
-  uint64_t timeout_ns = 0;
-  int chunks = 1;                         // token chunks of the NVLink protocol (every rank's)
-  int grid = 1;                           // blocks per dispatch/combine launch, <= chunks
   bool connected = false;
   bool timed_out = false;  // a TIMEOUT was taken: the ranks' sequences no longer agree
-  // Set when the rank's exchanges go through the host (ffi/cuda/host_proxy.h); then `buffer`
-  // and the peer table are unused.
-  std::unique_ptr<CudaProxy> proxy;
 
+  // The feature: a MoE rank over NVLink (peers and nvlink), a MoE rank whose exchanges go
+  // through its host proxy (proxy, ffi/cuda/host_proxy.h), or an AllReduce rank (peers and
+  // all_reduce).
+  PeerBuffers peers;
+  std::unique_ptr<NvlinkExchange> nvlink;
+  std::unique_ptr<CudaProxy> proxy;
+  std::unique_ptr<AllReduceRank> all_reduce;
+
+  // What a launch sees of the rank (the NVLink fields stay at their defaults without nvlink).
   CommView view() const;
   // The pending error code (0 when none), read without synchronizing the device.
   int32_t pending_error() const;
@@ -52,7 +72,7 @@ struct CudaRankState {
 // `chunks`: token chunks of the NVLink protocol, the same on every rank of the communicator
 // (MoEConfig.num_sms, or the smallest SM count of its devices); a launch runs
 // min(chunks, SMs of this device) blocks.
-// `stage_clocks` also allocates the per-block stage timestamps (cuda/stage_clock.cuh).
+// `stage_clocks` also allocates the per-block stage timestamps (ffi/protocol/stage_clock.h).
 void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, int chunks,
                        double timeout_s, bool stage_clocks);
 // The state of one rank of an AllReduce of messages up to max_bytes.
@@ -72,7 +92,8 @@ std::string rank_ipc_handle(int64_t comm_id, int ordinal);
 void connect_rank_state(int64_t comm_id, int ordinal, const std::vector<int>& local_ordinals,
                         const std::vector<std::string>& ipc_handles);
 // The stage timestamps of the rank's latest launches, [kClockKernels][grid][kClockMarks]
-// (cuda/stage_clock.cuh); empty when the rank was built without them. Synchronizes the device.
+// (ffi/protocol/stage_clock.h); empty when the rank was built without them. Synchronizes the
+// device.
 std::vector<uint64_t> read_stage_clocks(int64_t comm_id, int ordinal, int* grid);
 // Returns the recorded error and clears it; false when none is pending.
 bool take_rank_error(int64_t comm_id, int ordinal, ErrorRecord* out);

@@ -1,6 +1,6 @@
 // The four halves of dispatch/combine on CPU, for one rank, run by the FFI handler of that
 // rank's device thread. They follow the CUDA kernels (cuda/dispatch.cu, cuda/combine.cu) step
-// for step on the same buffer layout (cuda/layout.cuh) and produce the same bits
+// for step on the same buffer layout (ffi/protocol/host_layout.h) and produce the same bits
 // (docs/semantics.md). A wait that times out records TIMEOUT naming the peer and returns
 // early (outputs then hold zeros); errors are read by Communicator.check().
 #pragma once

@@ -1,7 +1,7 @@
 // Ranks of a host communicator that live in other processes. A rank cannot write into their
 // buffers directly, so it writes into a local staging copy of each one (same layout,
-// cuda/layout.cuh), and then asks RemotePeers to copy chosen byte spans of that copy to the
-// same offsets of the real buffer, as RMA writes whose immediates the receiver counts
+// ffi/protocol/host_layout.h), and then asks RemotePeers to copy chosen byte spans of that copy
+// to the same offsets of the real buffer, as RMA writes whose immediates the receiver counts
 // (ffi/host_fabric/ implements it with the TransferEngine; builds without libfabric have no
 // implementation, and their communicators never have remote peers).
 //

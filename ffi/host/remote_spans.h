@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cuda/layout.cuh"
+#include "ffi/protocol/host_layout.h"
 #include "ffi/host/state.h"
 
 namespace jax_moe::host {

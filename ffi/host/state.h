@@ -2,9 +2,10 @@
 // process. Created and connected from Python (ffi/host/bindings.cc) outside jit; the FFI
 // handlers (ffi/host/handlers.cc) look it up by (comm id, device ordinal) from XLA's
 // per-device threads, which run concurrently. Ranks of one process share memory: each writes
-// straight into its peers' buffers (layout: cuda/layout.cuh, the CUDA backend's). Ranks in
-// other processes are reached through `remote` (ffi/host/remote_peers.h): this rank writes
-// into a staging copy of their buffer and `remote` copies the written spans over.
+// straight into its peers' buffers (layout: ffi/protocol/host_layout.h, shared with the cuda
+// backend's host proxies). Ranks in other processes are reached through `remote`
+// (ffi/host/remote_peers.h): this rank writes into a staging copy of their buffer and
+// `remote` copies the written spans over.
 #pragma once
 
 #include <atomic>
@@ -13,7 +14,7 @@
 #include <mutex>
 #include <vector>
 
-#include "cuda/layout.cuh"
+#include "ffi/protocol/host_layout.h"
 #include "ffi/host/page_memory.h"
 #include "ffi/host/remote_peers.h"
 

@@ -1,6 +1,6 @@
 """The `cuda` backend: dispatch/combine as XLA FFI custom calls over NVLink.
 
-Each rank owns one buffer (cuda/nvlink_layout.cuh), allocated when the Communicator is built
+Each rank owns one buffer (ffi/protocol/nvlink_layout.h), allocated when the Communicator is built
 and mapped by every peer (jax_moe/backends/cuda_ranks.py; generic rank state in ranks.py).
 Where the mesh spans hosts (or JAX_MOE_FORCE_REMOTE=1), the same calls go through host proxies
 instead (jax_moe/backends/cuda_proxy.py). Each op is one kernel: source ranks write routes and token
@@ -55,7 +55,7 @@ class CudaBackend(NativeBackend):
 
   def stage_clocks(self) -> dict:
     """{device ordinal: {kernel: {mark: [ns per block]}}} of the latest launches
-    (cuda/stage_clock.cuh); empty unless built with JAX_MOE_STAGE_CLOCKS=1 over NVLink."""
+    (ffi/protocol/stage_clock.h); empty unless built with JAX_MOE_STAGE_CLOCKS=1 over NVLink."""
     module = native.load()
     clocks = {o: module.cuda_stage_clocks(self.comm_id, o) for o in self._ranks.ordinals}
     return {o: c for o, c in clocks.items() if c is not None}

@@ -2,11 +2,11 @@
 
 The same FFI targets and arguments as the `cuda` backend, so everything above the FFI call
 is backends/native_backend.py's, except that every call is ordered (backends/ordered_ffi.py).
-Its protocol and buffer layout (cuda/layout.cuh's BufferLayout: sequence flags with
+Its protocol and buffer layout (ffi/protocol/host_layout.h: sequence flags with
 acknowledgements) are also what the cuda backend's host proxies run; the NVLink kernels have
-their own (cuda/nvlink_layout.cuh). XLA runs each CPU device's program on its own thread;
-ranks of one process share memory and write straight into each other's buffers, signalling with sequence
-flags; every wait has a timeout (JAX_MOE_TIMEOUT_S, default 10 s).
+their own (ffi/protocol/nvlink_layout.h). XLA runs each CPU device's program on its own
+thread; ranks of one process share memory and write straight into each other's buffers,
+signalling with sequence flags; every wait has a timeout (JAX_MOE_TIMEOUT_S, default 10 s).
 
 Ranks in other processes (a mesh over jax.distributed) are reached through one
 TransferEngine per rank (ffi/host_fabric/, bootstrapped by backends/host_remote.py): a rank

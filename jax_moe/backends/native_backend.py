@@ -41,7 +41,7 @@ class NativeCombinePending(NamedTuple):
 
 
 def moe_dims(cfg: MoEConfig, world: int, rank: int = 0):
-  """The native layout's sizes of one rank (cuda/layout.cuh MoeDims, bound as
+  """The native layout's sizes of one rank (ffi/protocol/dims.h MoeDims, bound as
   jax_moe._native.MoeDims): the one place a MoEConfig becomes what the *_create_rank and
   buffer_bytes bindings take. Every field is set by its C++ name."""
   fields = dict(world=world, rank=rank, max_tokens=cfg.max_tokens, hidden=cfg.hidden,

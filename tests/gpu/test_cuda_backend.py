@@ -156,7 +156,7 @@ STAGE_ORDER = {
 @pytest.mark.parametrize("op", ("halves", "fused"))
 def test_stage_clocks_follow_each_block_through_its_stages(op, monkeypatch, rng):
     """JAX_MOE_STAGE_CLOCKS=1: every block of the kernels reaches every stage of its kernel,
-    in order (cuda/stage_clock.cuh), and the buffer dispatch's route block publishes."""
+    in order (ffi/protocol/stage_clock.h), and the buffer dispatch's route block publishes."""
     monkeypatch.setenv("JAX_MOE_FORCE_REMOTE", "0")
     monkeypatch.setenv("JAX_MOE_STAGE_CLOCKS", "1")
     mesh = make_mesh(1)

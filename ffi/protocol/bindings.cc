@@ -4,8 +4,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "cuda/nvlink_layout.cuh"
 #include "ffi/native_protocol.h"
+#include "ffi/protocol/host_layout.h"
+#include "ffi/protocol/nvlink_layout.h"
 
 namespace nb = nanobind;
 
@@ -29,7 +30,7 @@ void check_dims(const MoeDims& d) {
 void bind_protocol(nb::module_& m) {
   // One field per MoeDims member, under its C++ name: Python sets them by name, so the struct
   // is the one definition of what a rank is told.
-  nb::class_<MoeDims>(m, "MoeDims", "cuda/layout.cuh MoeDims: the sizes of one rank")
+  nb::class_<MoeDims>(m, "MoeDims", "ffi/protocol/dims.h MoeDims: the sizes of one rank")
       .def(nb::init<>())
       .def_rw("world", &MoeDims::world)
       .def_rw("rank", &MoeDims::rank)
@@ -48,7 +49,7 @@ void bind_protocol(nb::module_& m) {
       "protocol_enums",
       [] {
         // The values Python mirrors (jax_moe/errors.py, jax_moe/all_reduce.py), from the enums
-        // of cuda/layout.cuh; tests/test_protocol_enums.py holds the two sides together.
+        // of ffi/protocol/dims.h; tests/test_protocol_enums.py holds the two sides together.
         nb::dict codes, stages, algorithms, out;
         codes["INVALID_EXPERT_ID"] = int(kInvalidExpertId);
         codes["CAPACITY_OVERFLOW"] = int(kCapacityOverflow);
@@ -72,14 +73,14 @@ void bind_protocol(nb::module_& m) {
         out["AllReduceAlgorithm"] = algorithms;
         return out;
       },
-      "The protocol's enums as {enum: {name: value}} (cuda/layout.cuh).");
+      "The protocol's enums as {enum: {name: value}} (ffi/protocol/dims.h).");
   m.def(
       "buffer_bytes",
       [](const MoeDims& d, int chunks) {
         check_dims(d);
         nb::dict out;
-        out["nvlink"] = nvlink_layout(d, chunks).total;  // cuda/nvlink_layout.cuh
-        out["host"] = buffer_layout(d).total;            // cuda/layout.cuh (host protocol)
+        out["nvlink"] = nvlink_layout(d, chunks).total;  // ffi/protocol/nvlink_layout.h
+        out["host"] = buffer_layout(d).total;            // ffi/protocol/host_layout.h
         return out;
       },
       nb::arg("dims"), nb::arg("chunks"),

@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda/layout.cuh"
+#include "ffi/protocol/dims.h"
 
 namespace jax_moe {
 

@@ -1,6 +1,6 @@
 // Buffer layout of one rank of the NVLink dispatch/combine (cuda/dispatch.cu, cuda/combine.cu),
 // shared by the kernels and the host state (ffi/cuda/state.cc). The host backend and the
-// host proxies keep their own protocol (cuda/layout.cuh's BufferLayout).
+// host proxies keep their own protocol (ffi/protocol/host_layout.h).
 //
 // Work is cut into `chunks` contiguous token ranges, the same on every rank (the communicator
 // fixes the count): chunk c of every rank covers tokens [T*c/chunks, T*(c+1)/chunks). A
@@ -14,7 +14,7 @@
 // of n, every reader of n is done: no acknowledgement flags and no wait before sending.
 #pragma once
 
-#include "cuda/layout.cuh"
+#include "ffi/protocol/dims.h"
 
 namespace jax_moe {
 
