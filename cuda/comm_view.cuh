@@ -19,7 +19,7 @@ struct ProxyDoorbell {
 };
 
 // Per-device bookkeeping in device memory, touched only by this device's kernels.
-// (The NVLink dispatch/combine keep per-chunk sequences instead: cuda/nvlink_layout.cuh.)
+// (The NVLink dispatch/combine keep per-chunk sequences instead: ffi/protocol/nvlink_layout.h.)
 struct DeviceCounters {
   uint64_t all_reduce_seq;   // sequence of the last all-reduce (advanced by its last block)
   uint64_t proxy_seq;        // sequence of the last request rung on the proxy's doorbell
@@ -39,9 +39,9 @@ struct CommView {
   char* const* peers;        // device array [R]: every rank's buffer as mapped on this device
   DeviceCounters* counters;  // device memory
   ErrorRecord* error;        // device pointer to the mapped host record
-  uint64_t* chunk_seq;       // device memory [kChunkCounters][chunks] (nvlink_layout.cuh)
+  uint64_t* chunk_seq;       // device memory [kChunkCounters][chunks] (nvlink_layout.h)
   uint64_t* stage_clock;     // device [kClockKernels][grid][kClockMarks] or null
-                             // (cuda/stage_clock.cuh)
+                             // (ffi/protocol/stage_clock.h)
   uint64_t timeout_ns;       // every spin-wait gives up after this long
   int chunks;                // token chunks of the NVLink protocol, equal on every rank
   int grid;                  // blocks of a dispatch/combine launch (<= chunks), MoEConfig.num_sms
