@@ -15,13 +15,6 @@
 
 namespace jax_moe {
 
-// How dispatch_send receives the token rows.
-enum TokenInput : int {
-  kInputBf16 = 0,          // x bf16 [T, H], sent as bf16
-  kInputBf16Quantize = 1,  // x bf16 [T, H], quantized to fp8 + scales on the way out
-  kInputFp8 = 2,           // x fp8 e4m3fn [T, H] with x_scales f32 [T, H/bs], sent as given
-};
-
 // Dispatch over NVLink (protocol: ffi/protocol/nvlink_layout.h). `phases` (ExchangePhase, in
 // the same header) picks the halves this launch runs; the fused op runs both in one kernel.
 // Send half (source rank): writes its routes and every routed token to each rank that holds

@@ -2,17 +2,17 @@
 
 namespace jax_moe {
 
-ffi::ErrorOr<RowInput> check_dispatch_send(const CallSite& site, const MoeDims& d,
-                                           ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
-                                           ffi::Buffer<ffi::S32> topk_ids,
-                                           ffi::Buffer<ffi::F32> topk_weights,
-                                           ffi::Buffer<ffi::S32> num_tokens,
-                                           ffi::Buffer<ffi::S32> send_dest) {
+ffi::ErrorOr<TokenInput> check_dispatch_send(const CallSite& site, const MoeDims& d,
+                                             ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
+                                             ffi::Buffer<ffi::S32> topk_ids,
+                                             ffi::Buffer<ffi::F32> topk_weights,
+                                             ffi::Buffer<ffi::S32> num_tokens,
+                                             ffi::Buffer<ffi::S32> send_dest) {
   const NamedDim T{"max_tokens", d.max_tokens}, H{"hidden", d.hidden},
       K{"experts_per_token", d.topk};
-  RowInput input = d.fp8 ? RowInput::kBf16Quantize : RowInput::kBf16;
+  TokenInput input = d.fp8 ? kInputBf16Quantize : kInputBf16;
   if (x.element_type() == ffi::DataType::F8E4M3FN && d.fp8) {
-    input = RowInput::kFp8;
+    input = kInputFp8;
   } else if (auto err = expect_dtype(site, "x", x.element_type(), ffi::DataType::BF16);
              err.failure()) {
     return ffi::Unexpected(err);
@@ -23,7 +23,7 @@ ffi::ErrorOr<RowInput> check_dispatch_send(const CallSite& site, const MoeDims& 
       err.failure())
     return ffi::Unexpected(err);
   const ffi::Error scales_ok =
-      input == RowInput::kFp8
+      input == kInputFp8
           ? expect_shape(site, "x_scales", x_scales.dimensions(),
                          {T, {"hidden/block_size", d.hidden / d.block_size}})
           : expect_shape(site, "x_scales (absent with bf16 x)", x_scales.dimensions(), {{"0", 0}});

@@ -7,20 +7,14 @@
 
 namespace jax_moe {
 
-// How dispatch_send receives token rows; the values are those of TokenInput (cuda/api.cuh).
-enum class RowInput : int {
-  kBf16 = 0,          // x bf16 [T, H], sent as bf16
-  kBf16Quantize = 1,  // x bf16 [T, H], quantized to fp8 + scales on the way out
-  kFp8 = 2,           // x fp8 e4m3fn [T, H] with x_scales f32 [T, H/bs], sent as given
-};
-
-// dispatch_send arguments; `x_scales` is the empty f32 [0] when x is bf16.
-ffi::ErrorOr<RowInput> check_dispatch_send(const CallSite& site, const MoeDims& d,
-                                           ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
-                                           ffi::Buffer<ffi::S32> topk_ids,
-                                           ffi::Buffer<ffi::F32> topk_weights,
-                                           ffi::Buffer<ffi::S32> num_tokens,
-                                           ffi::Buffer<ffi::S32> send_dest);
+// dispatch_send arguments; `x_scales` is the empty f32 [0] when x is bf16. Returns how the
+// rows come (TokenInput, ffi/protocol/dims.h).
+ffi::ErrorOr<TokenInput> check_dispatch_send(const CallSite& site, const MoeDims& d,
+                                             ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
+                                             ffi::Buffer<ffi::S32> topk_ids,
+                                             ffi::Buffer<ffi::F32> topk_weights,
+                                             ffi::Buffer<ffi::S32> num_tokens,
+                                             ffi::Buffer<ffi::S32> send_dest);
 
 // dispatch_recv outputs; `scales` is the empty f32 [0] with bf16 dispatch.
 ffi::Error check_dispatch_recv(const CallSite& site, const MoeDims& d,

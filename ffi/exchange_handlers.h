@@ -8,9 +8,9 @@
 //   State, Call          its rank state, and what a handler gets besides the device ordinal
 //                        and the communicator id (the CUDA stream; nothing on the host)
 //   begin_call(site, comm_id, ordinal) -> ffi::ErrorOr<State*>
-//   dispatch_send(site, call, state, RowInput, DispatchSendArgs) -> ffi::Error
+//   dispatch_send(site, call, state, TokenInput, DispatchSendArgs) -> ffi::Error
 //   dispatch_recv(site, call, state, DispatchRecvArgs)
-//   dispatch(site, call, state, RowInput, DispatchSendArgs, DispatchRecvArgs)
+//   dispatch(site, call, state, TokenInput, DispatchSendArgs, DispatchRecvArgs)
 //   combine_send(site, call, state, CombineSendArgs)
 //   combine_recv(site, call, state, CombineRecvArgs)
 //   combine(site, call, state, CombineSendArgs, CombineRecvArgs)

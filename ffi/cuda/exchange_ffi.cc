@@ -69,8 +69,7 @@ struct CudaExchange {
   }
 
   static ffi::Error dispatch_send(const CallSite& site, cudaStream_t stream, State& s,
-                                  RowInput row_input, const DispatchSendArgs& a) {
-    const auto input = static_cast<TokenInput>(row_input);
+                                  TokenInput input, const DispatchSendArgs& a) {
     return launch_result(site, s.proxy ? proxy_half(s, input, a, stream)
                                        : launch(s, kPhaseSend, input, a, kNoRecv, stream));
   }
@@ -83,9 +82,8 @@ struct CudaExchange {
 
   // One kernel: the send phase, then the receive phase in the same blocks.
   static ffi::Error dispatch(const CallSite& site, cudaStream_t stream, State& s,
-                             RowInput row_input, const DispatchSendArgs& a,
+                             TokenInput input, const DispatchSendArgs& a,
                              const DispatchRecvArgs& b) {
-    const auto input = static_cast<TokenInput>(row_input);
     if (!s.proxy) return launch_result(site, launch(s, kPhaseBoth, input, a, b, stream));
     if (auto err = launch_result(site, proxy_half(s, input, a, stream)); err.failure())
       return err;

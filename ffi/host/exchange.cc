@@ -169,7 +169,7 @@ void dispatch_send_end(HostRankState& s, int given_tokens, bool bad_id, int32_t 
   finish_dispatch_send(s, lay, dest_masks, false);
 }
 
-void dispatch_send(HostRankState& s, RowInput input, const void* x, const float* x_scales,
+void dispatch_send(HostRankState& s, TokenInput input, const void* x, const float* x_scales,
                    const int32_t* topk_ids, const float* topk_weights, const int32_t* num_tokens,
                    int32_t* send_dest) {
   const MoeDims& d = s.dims;
@@ -217,16 +217,16 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
                 kStageDispatchSend);
   }
 
-  std::vector<char> quantized(input == RowInput::kBf16Quantize ? token_bytes(d) : 0);
+  std::vector<char> quantized(input == kInputBf16Quantize ? token_bytes(d) : 0);
   for (int t = 0; t < ntok; ++t) {
     const uint64_t dest_mask = dest_masks[t];
     if (dest_mask == 0) continue;
     // The token crosses to each rank holding one of its slots once.
     const char* row;
-    if (input == RowInput::kBf16Quantize) {
+    if (input == kInputBf16Quantize) {
       quantize_row(d, static_cast<const uint16_t*>(x) + size_t(t) * H, quantized.data());
       row = quantized.data();
-    } else if (input == RowInput::kFp8) {
+    } else if (input == kInputFp8) {
       // codes [H] then scales [H/bs] at byte H: assembled per destination below
       row = static_cast<const char*>(x) + size_t(t) * H;
     } else {
@@ -235,11 +235,11 @@ void dispatch_send(HostRankState& s, RowInput input, const void* x, const float*
     for (int p = 0; p < d.world; ++p) {
       if (!((dest_mask >> p) & 1)) continue;
       char* slot = token_slot(s.peers[p], lay, d, me, t);
-      if (input == RowInput::kFp8) {
+      if (input == kInputFp8) {
         std::memcpy(slot, row, H);
         std::memcpy(slot + H, x_scales + size_t(t) * nb, sizeof(float) * nb);
       } else {
-        std::memcpy(slot, row, input == RowInput::kBf16 ? size_t(H) * 2 : token_bytes(d));
+        std::memcpy(slot, row, input == kInputBf16 ? size_t(H) * 2 : token_bytes(d));
       }
     }
   }

@@ -14,7 +14,7 @@ namespace jax_moe::host {
 
 // x: bf16 [T, H] or fp8 codes [T, H] (with x_scales f32 [T, H/bs]); topk_ids/topk_weights
 // [T, K]; num_tokens int32 [1]; send_dest int32 [T, K] gets each valid slot's rank, else -1.
-void dispatch_send(HostRankState& s, RowInput input, const void* x, const float* x_scales,
+void dispatch_send(HostRankState& s, TokenInput input, const void* x, const float* x_scales,
                    const int32_t* topk_ids, const float* topk_weights, const int32_t* num_tokens,
                    int32_t* send_dest);
 

@@ -32,7 +32,7 @@ struct HostExchange {
     return s;
   }
 
-  static ffi::Error dispatch_send(const CallSite&, Call, State& s, RowInput input,
+  static ffi::Error dispatch_send(const CallSite&, Call, State& s, TokenInput input,
                                   const DispatchSendArgs& a) {
     host::dispatch_send(s, input, a.x, a.x_scales, a.topk_ids, a.topk_weights, a.num_tokens,
                         a.send_dest);
@@ -43,7 +43,7 @@ struct HostExchange {
                         a.slot_rows);
     return ffi::Error::Success();
   }
-  static ffi::Error dispatch(const CallSite& site, Call call, State& s, RowInput input,
+  static ffi::Error dispatch(const CallSite& site, Call call, State& s, TokenInput input,
                              const DispatchSendArgs& send, const DispatchRecvArgs& recv) {
     dispatch_send(site, call, s, input, send);
     return dispatch_recv(site, call, s, recv);

@@ -59,6 +59,14 @@ enum AllReduceAlgorithm : int32_t {
   kNvls = 2,
 };
 
+// How dispatch_send receives the token rows (the handlers pick it from the buffers' types;
+// the kernels and the host exchange are specialized on it).
+enum TokenInput : int {
+  kInputBf16 = 0,          // x bf16 [T, H], sent as bf16
+  kInputBf16Quantize = 1,  // x bf16 [T, H], quantized to fp8 + scales on the way out
+  kInputFp8 = 2,           // x fp8 e4m3fn [T, H] with x_scales f32 [T, H/bs], sent as given
+};
+
 // The first error a device records; lives in mapped pinned host memory so the host reads it
 // without synchronizing. `code` is written last, so a non-zero code means the rest is valid.
 struct ErrorRecord {
