@@ -13,9 +13,9 @@
 
 #include <cstdint>
 
-#include "ffi/protocol/all_reduce_layout.h"
 #include "cuda/rows.cuh"
 #include "cuda/sync.cuh"
+#include "ffi/protocol/all_reduce_layout.h"
 
 namespace jax_moe {
 

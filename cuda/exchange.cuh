@@ -3,9 +3,9 @@
 // and waits for. Layout and protocol: ffi/protocol/nvlink_layout.h.
 #pragma once
 
+#include "cuda/sync.cuh"
 #include "ffi/protocol/nvlink_layout.h"
 #include "ffi/protocol/stage_clock.h"
-#include "cuda/sync.cuh"
 
 namespace jax_moe {
 

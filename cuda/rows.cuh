@@ -7,8 +7,8 @@
 
 #include <cstdint>
 
-#include "ffi/protocol/host_layout.h"
 #include "cuda/sync.cuh"
+#include "ffi/protocol/host_layout.h"
 
 namespace jax_moe {
 

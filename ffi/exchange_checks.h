@@ -2,8 +2,8 @@
 // host handlers (same targets, same argument order: jax_moe/backends/cuda.py).
 #pragma once
 
-#include "ffi/protocol/dims.h"
 #include "ffi/handler_checks.h"
+#include "ffi/protocol/dims.h"
 
 namespace jax_moe {
 

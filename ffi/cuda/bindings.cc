@@ -9,12 +9,12 @@
 #include <string>
 #include <vector>
 
-#include "ffi/protocol/stage_clock.h"
 #include "ffi/cuda/handlers.h"
 #include "ffi/cuda/multicast.h"
 #include "ffi/cuda/state.h"
 #include "ffi/native_cuda.h"
 #include "ffi/native_protocol.h"
+#include "ffi/protocol/stage_clock.h"
 
 namespace nb = nanobind;
 

@@ -11,9 +11,9 @@
 #include <stdexcept>
 #include <utility>
 
+#include "ffi/host/state.h"
 #include "ffi/protocol/nvlink_layout.h"
 #include "ffi/protocol/stage_clock.h"
-#include "ffi/host/state.h"
 
 namespace jax_moe {
 namespace {

@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "ffi/protocol/host_layout.h"
 #include "ffi/host/state.h"
+#include "ffi/protocol/host_layout.h"
 
 namespace jax_moe::host {
 

@@ -14,9 +14,9 @@
 #include <mutex>
 #include <vector>
 
-#include "ffi/protocol/host_layout.h"
 #include "ffi/host/page_memory.h"
 #include "ffi/host/remote_peers.h"
+#include "ffi/protocol/host_layout.h"
 
 namespace jax_moe::host {
 
