@@ -5,15 +5,16 @@ consecutive tokens or slots it fills there, plus fixed writes for routes and ack
 This module derives the same list from the routing alone, per direction (process a -> b), so
 a raw TransferEngine loop can move exactly those bytes in exactly those writes:
 
-  dispatch routes  src -> dst  3 writes: token count (4 B), ids and weights (4*T*K B each)
-  dispatch rows    src -> dst  one write per run of src's tokens with a slot on dst,
+  dispatch routes  src -> dst  1 write: token count (16 B) and T*K route entries (8 B each)
+  dispatch rows    src -> dst  one write per merged run of src's tokens with a slot on dst,
                                token_bytes each (fp8 codes + f32 scales padded to 16 B, or bf16)
   dispatch ack     dst -> src  1 empty write
   combine          dst -> src  source mode: one write per run of src's (t, k) slots on dst,
-                               2*H B each; expert mode: one per run of src's tokens with a slot
-                               on dst, H * partial bytes each
+                               2*H B each; expert mode: one per merged run of src's tokens
+                               with a slot on dst, H * partial bytes each
   combine ack      src -> dst  1 empty write
-An empty run list still costs one (empty) write: the receiver counts writes, not bytes.
+A merged run joins runs at most MERGE_GAP_BYTES // row bytes rows apart (the rows between go
+along). An empty run list still costs one (empty) write: the receiver counts writes, not bytes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import dataclasses
 
 import numpy as np
 
-ROUTE_WRITES = 3
+ROUTE_HEADER_BYTES = 16   # ffi/protocol/host_layout.h kRouteHeaderBytes
+ROUTE_ENTRY_BYTES = 8     # RouteEntry {id, weight}
+MERGE_GAP_BYTES = 64 << 10  # ffi/host/remote_spans.h kMergeGapBytes
 
 
 def _align16(n: int) -> int:
@@ -41,7 +44,21 @@ def runs(mask: np.ndarray) -> np.ndarray:
   return edges[1::2] - edges[0::2]
 
 
-def _as_writes(run_lengths: np.ndarray, unit: int) -> list[int]:
+def merged_runs(mask: np.ndarray, gap: int) -> list[int]:
+  """Lengths of the runs of True, runs at most `gap` False entries apart joined (the False
+  entries between them counted), in order."""
+  starts = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8)])) == 1)
+  lengths = runs(mask)
+  merged: list[list[int]] = []
+  for start, n in zip(starts.tolist(), lengths.tolist()):
+    if merged and start - (merged[-1][0] + merged[-1][1]) <= gap:
+      merged[-1][1] = start + n - merged[-1][0]
+    else:
+      merged.append([start, n])
+  return [n for _, n in merged]
+
+
+def _as_writes(run_lengths, unit: int) -> list[int]:
   """One write of `length * unit` bytes per run; one empty write when there is none."""
   return [int(n) * unit for n in run_lengths] or [0]
 
@@ -101,6 +118,8 @@ def directions(topk_ids: np.ndarray, ranks: int, ranks_per_process: int, experts
   dest = np.where(ids >= 0, ids // local, -1)  # [src, T, K] rank holding each slot
   row_bytes = token_bytes(hidden, fp8, block_size)
   combine_unit = 2 * hidden if reduce == "source" else hidden * partial_bytes
+  # Source mode never merges: other ranks write the rows between a rank's runs.
+  combine_gap = 0 if reduce == "source" else MERGE_GAP_BYTES // combine_unit
   processes = ranks // ranks_per_process
   process_of = lambda r: r // ranks_per_process  # noqa: E731
 
@@ -116,13 +135,14 @@ def directions(topk_ids: np.ndarray, ranks: int, ranks_per_process: int, experts
         for e in range(ranks):
           sent = dest[s] == e  # [T, K] slots of s's tokens held by e
           if process_of(s) == a and process_of(e) == b:
-            routes += [4, 4 * T * K, 4 * T * K]
-            rows += _as_writes(runs(sent.any(axis=1)), row_bytes)
+            routes += [ROUTE_HEADER_BYTES + ROUTE_ENTRY_BYTES * T * K]
+            rows += _as_writes(merged_runs(sent.any(axis=1), MERGE_GAP_BYTES // row_bytes),
+                               row_bytes)
             combine_acks += 1  # s acknowledges e's combine
           elif process_of(e) == a and process_of(s) == b:
             dispatch_acks += 1  # e acknowledges s's dispatch
             held = sent.reshape(-1) if reduce == "source" else sent.any(axis=1)
-            combine += _as_writes(runs(held), combine_unit)
+            combine += _as_writes(merged_runs(held, combine_gap), combine_unit)
       result.append(Direction(a, b, PhaseWrites(routes, rows, dispatch_acks),
                               PhaseWrites([], combine, combine_acks)))
   return result

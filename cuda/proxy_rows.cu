@@ -104,13 +104,13 @@ __global__ void __launch_bounds__(kThreads)
   const int given = *num_tokens;
   const int ntok = go ? min(max(given, 0), T) : 0;
   if (go && blockIdx.x == 0 && threadIdx.x < R) {
-    reinterpret_cast<int32_t*>(v.peers[threadIdx.x] + lay.recv_num_tokens)[me] = ntok;
+    *route_tokens(v.peers[threadIdx.x], lay, d, me) = ntok;
     if (threadIdx.x == 0) v.control->given_tokens = given;
   }
   __shared__ uint64_t dest_mask;  // bit p: the token has a slot on rank p
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     if (threadIdx.x < 32) {
-      // Lane k: slot (t, k). recv_ids/recv_weights[me][t][k] of every rank's view.
+      // Lane k: slot (t, k), its entry in this rank's route block of every rank's view.
       const int k = threadIdx.x;
       int dest = -1;
       if (t < ntok && k < K) {
@@ -120,12 +120,8 @@ __global__ void __launch_bounds__(kThreads)
           id = -1;
         }
         dest = id >= 0 ? id / d.local_experts : -1;
-        const size_t slot = (size_t(me) * T + t) * K + k;
-        const float w = topk_weights[t * K + k];
-        for (int p = 0; p < R; ++p) {
-          reinterpret_cast<int32_t*>(v.peers[p] + lay.recv_ids)[slot] = id;
-          reinterpret_cast<float*>(v.peers[p] + lay.recv_weights)[slot] = w;
-        }
+        const RouteEntry entry{id, topk_weights[t * K + k]};
+        for (int p = 0; p < R; ++p) route_entries(v.peers[p], lay, d, me)[t * K + k] = entry;
       }
       if (k < K) send_dest[t * K + k] = dest;
       const uint64_t bit = dest >= 0 ? 1ull << dest : 0;

@@ -24,8 +24,12 @@ IDS = np.array([[0, 2], [1, 0], [3, 2], [2, -1],     # rank 0: tokens 0, 2, 3 re
                np.int32)
 
 
-def directions(reduce, fp8=False, partial_bytes=4, ids=IDS, ranks=2, per_process=1):
-    return remote_traffic.directions(ids, ranks, per_process, experts=4, hidden=H, fp8=fp8,
+ROUTES = 16 + 8 * 4 * 2  # one route block: header + T * K entries {id, weight}
+WIDE = 40 * 1024  # a bf16 row of 80 KiB: farther apart than MERGE_GAP_BYTES, runs never merge
+
+
+def directions(reduce, fp8=False, partial_bytes=4, ids=IDS, ranks=2, per_process=1, hidden=H):
+    return remote_traffic.directions(ids, ranks, per_process, experts=4, hidden=hidden, fp8=fp8,
                                      block_size=128, reduce=reduce, partial_bytes=partial_bytes)
 
 
@@ -36,14 +40,30 @@ def test_runs_are_maximal_runs_of_true():
     assert runs(np.ones(3, bool)).tolist() == [3]
 
 
+def test_merged_runs_join_runs_at_most_gap_apart():
+    merged = remote_traffic.merged_runs
+    mask = np.array([1, 1, 0, 1, 0, 0, 1, 1, 1], bool)
+    assert merged(mask, 0) == [2, 1, 3]
+    assert merged(mask, 1) == [4, 3]     # the gap of one joins, the gap of two does not
+    assert merged(mask, 2) == [9]
+    assert merged(np.array([0, 0, 1, 0, 0], bool), 5) == [1]  # no leading or trailing gap
+    assert merged(np.zeros(4, bool), 3) == []
+
+
 @pytest.mark.parametrize("fp8, row", [(False, 2 * H), (True, H + 4 * 2 + 8)])  # fp8: 16-aligned
-def test_dispatch_writes_follow_the_runs_of_tokens_per_remote_rank(fp8, row):
+def test_dispatch_writes_one_route_block_and_the_merged_runs_of_tokens(fp8, row):
     to_1, to_0 = directions("source", fp8=fp8)
     assert (to_1.source, to_1.dest, to_0.source, to_0.dest) == (0, 1, 1, 0)
-    assert to_1.dispatch.routes == [4, 4 * 4 * 2, 4 * 4 * 2]
-    assert to_1.dispatch.payload == [row, 2 * row]        # tokens 0 | 2, 3
-    assert to_0.dispatch.payload == [row, 2 * row]        # tokens 0 | 2, 3 (1 stays home)
+    assert to_1.dispatch.routes == [ROUTES]
+    assert to_1.dispatch.payload == [4 * row]             # tokens 0 | 2, 3, token 1 along
+    assert to_0.dispatch.payload == [4 * row]             # tokens 0 | 2, 3 (1 stays home)
     assert to_1.dispatch.acks == to_1.combine.acks == 1
+
+
+def test_rows_farther_apart_than_the_merge_gap_go_in_a_write_per_run():
+    to_1, to_0 = directions("expert", hidden=WIDE, partial_bytes=4)
+    assert to_1.dispatch.payload == [2 * WIDE, 2 * 2 * WIDE]  # tokens 0 | 2, 3
+    assert to_0.combine.payload == [4 * WIDE, 2 * 4 * WIDE]   # rank 0's tokens 0 | 2, 3
 
 
 def test_combine_writes_follow_slots_in_source_mode_and_tokens_in_expert_mode():
@@ -52,18 +72,19 @@ def test_combine_writes_follow_slots_in_source_mode_and_tokens_in_expert_mode():
     assert to_1.combine.payload == [2 * 2 * H, 2 * H, 2 * H]
     # Rank 1 returns rank 0's slots j = 1 | 4, 5, 6.
     assert to_0.combine.payload == [2 * H, 3 * 2 * H]
+    # Expert mode merges (each rank writes its own partials): tokens 0 | 2, 3 with 1 along.
     to_1, to_0 = directions("expert", partial_bytes=2)
-    assert to_1.combine.payload == [2 * H, 2 * 2 * H]     # rank 1's tokens 0 | 2, 3
-    assert to_0.combine.payload == [2 * H, 2 * 2 * H]     # rank 0's tokens 0 | 2, 3
-    assert to_0.bytes == sum(to_0.dispatch.routes) + 3 * 2 * H + 3 * 2 * H
-    assert to_0.writes == 3 + 2 + 1 + 2 + 1  # routes, rows, ack, partials, ack
+    assert to_1.combine.payload == [4 * 2 * H]
+    assert to_0.combine.payload == [4 * 2 * H]
+    assert to_0.bytes == ROUTES + 4 * 2 * H + 4 * 2 * H
+    assert to_0.writes == 1 + 1 + 1 + 1 + 1  # routes, rows, ack, partials, ack
 
 
 def test_a_rank_pair_with_nothing_to_send_still_costs_one_empty_write():
     ids = np.array([[0, 1]] * 2 + [[2, 3]] * 2, np.int32)  # every slot stays home
     to_1, _ = directions("source", ids=ids, ranks=2)
     assert to_1.dispatch.payload == [0] and to_1.combine.payload == [0]
-    assert to_1.bytes == 4 + 2 * 4 * 2 * 2
+    assert to_1.bytes == 16 + 8 * 2 * 2
 
 
 def test_ranks_of_one_process_exchange_nothing_across_the_boundary():
@@ -71,7 +92,7 @@ def test_ranks_of_one_process_exchange_nothing_across_the_boundary():
     # which lives in the same process: only routes and empty writes cross.
     ids = np.repeat(np.array([1, 0, 3, 2], np.int32), 2)[:, None]
     to_1, to_0 = directions("source", ids=ids, ranks=4, per_process=2)
-    assert to_1.dispatch.routes == [4, 4 * 2, 4 * 2] * 4    # 2 sources x 2 remote ranks
+    assert to_1.dispatch.routes == [16 + 8 * 2] * 4    # 2 sources x 2 remote ranks
     assert to_1.dispatch.payload == [0] * 4 and to_1.combine.payload == [0] * 4
     assert to_1.dispatch.acks == to_1.combine.acks == 4
 
@@ -99,7 +120,7 @@ def test_bench_host_remote_runs_checks_and_writes_results(tmp_path):
         ("shm", "fp8", "source"), ("shm", "fp8", "expert")]
     for row in rows:
         assert row["correct"]
-        assert row["bytes_0to1"] > 0 and row["writes_0to1"] >= 3 + 1 + 1 + 1 + 1
+        assert row["bytes_0to1"] > 0 and row["writes_0to1"] >= 1 + 1 + 1 + 1 + 1
         for value in (*row["backend_us"].values(), *row["raw_us"].values(), row["xla_us"]):
             assert value is not None
     for process in payload["per_process"]["shm"]:

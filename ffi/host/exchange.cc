@@ -161,11 +161,10 @@ void dispatch_send_end(HostRankState& s, int given_tokens, bool bad_id, int32_t 
   if (given_tokens != ntok) s.record_error(kBadNumTokens, kStageDispatchSend, given_tokens);
   if (bad_id) s.record_error(kInvalidExpertId, kStageDispatchSend, first_bad_id);
   // The routes the kernel wrote into this rank's own buffer (invalid ids already -1).
-  const int32_t* ids =
-      reinterpret_cast<const int32_t*>(s.buffer + lay.recv_ids) + size_t(d.rank) * T * K;
+  const RouteEntry* routes = route_entries(s.buffer, lay, d, d.rank);
   std::vector<uint64_t> dest_masks(ntok, 0);
   for (int j = 0; j < ntok * K; ++j)
-    if (ids[j] >= 0) dest_masks[j / K] |= 1ull << (ids[j] / d.local_experts);
+    if (routes[j].id >= 0) dest_masks[j / K] |= 1ull << (routes[j].id / d.local_experts);
   finish_dispatch_send(s, lay, dest_masks, false);
 }
 
@@ -183,7 +182,7 @@ void dispatch_send(HostRankState& s, TokenInput input, const void* x, const floa
   const int given = *num_tokens;
   const int ntok = std::min(std::max(given, 0), T);
   if (given != ntok) s.record_error(kBadNumTokens, kStageDispatchSend, given);
-  for (char* peer : s.peers) reinterpret_cast<int32_t*>(peer + lay.recv_num_tokens)[me] = ntok;
+  for (char* peer : s.peers) *route_tokens(peer, lay, d, me) = ntok;
 
   // Routes first. A rank alone in its process posts them to the remote ranks before packing
   // any row: they are small and a receiver needs them to know which rows to expect. With
@@ -202,11 +201,8 @@ void dispatch_send(HostRankState& s, TokenInput input, const void* x, const floa
       send_dest[t * K + k] = dest;
       if (dest >= 0) dest_masks[t] |= 1ull << dest;
       // Every rank gets the route: each counts the slots of its own experts.
-      const size_t slot = (size_t(me) * T + t) * K + k;
-      for (char* peer : s.peers) {
-        reinterpret_cast<int32_t*>(peer + lay.recv_ids)[slot] = id;
-        reinterpret_cast<float*>(peer + lay.recv_weights)[slot] = topk_weights[t * K + k];
-      }
+      for (char* peer : s.peers)
+        route_entries(peer, lay, d, me)[t * K + k] = RouteEntry{id, topk_weights[t * K + k]};
     }
   }
   int local_ranks = 0;
@@ -265,19 +261,16 @@ bool dispatch_recv_begin(HostRankState& s, RecvPlan& plan) {
     return false;
   }
 
-  const int32_t* ids = reinterpret_cast<const int32_t*>(s.buffer + lay.recv_ids);
-  const float* route_w = reinterpret_cast<const float*>(s.buffer + lay.recv_weights);
   std::vector<int> ntok(R);
   // expert_counts[s][e]: rows of source s for local expert e; slot_rank: the slot's place
   // among them, in (t, k) order, so rows keep (s, t, k) order inside each segment.
   std::fill(s.expert_counts.begin(), s.expert_counts.end(), 0);
   for (int src = 0; src < R; ++src) {
-    const int n = reinterpret_cast<const int32_t*>(s.buffer + lay.recv_num_tokens)[src];
-    ntok[src] = std::min(std::max(n, 0), T);
+    ntok[src] = std::min(std::max(*route_tokens(s.buffer, lay, d, src), 0), T);
+    const RouteEntry* routes = route_entries(s.buffer, lay, d, src);
     for (int j = 0; j < ntok[src] * K; ++j) {
-      const size_t slot = size_t(src) * T * K + j;
-      const int e = ids[slot] - me * L;
-      if (e >= 0 && e < L) s.slot_rank[slot] = s.expert_counts[src * L + e]++;
+      const int e = routes[j].id - me * L;
+      if (e >= 0 && e < L) s.slot_rank[size_t(src) * T * K + j] = s.expert_counts[src * L + e]++;
     }
   }
   // Remote sources' rows come after their routes, which say how many writes they take.
@@ -306,11 +299,12 @@ bool dispatch_recv_begin(HostRankState& s, RecvPlan& plan) {
   if (total > C) s.record_error(kCapacityOverflow, kStageDispatchRecv, total);
 
   for (int src = 0; src < R; ++src) {
+    const RouteEntry* routes = route_entries(s.buffer, lay, d, src);
     for (int t = 0; t < ntok[src]; ++t) {
       bool placed = false;
       for (int k = 0; k < K; ++k) {
         const size_t slot = (size_t(src) * T + t) * K + k;
-        const int e = ids[slot] - me * L;
+        const int e = routes[t * K + k].id - me * L;
         if (e < 0 || e >= L) continue;
         const int row = first_row[src * L + e] + s.slot_rank[slot];
         if (row >= C) {
@@ -318,7 +312,7 @@ bool dispatch_recv_begin(HostRankState& s, RecvPlan& plan) {
           continue;
         }
         plan.slot_rows[slot] = row;
-        plan.weights[row] = route_w[slot];
+        plan.weights[row] = routes[t * K + k].weight;
         placed = true;
       }
       if (placed) plan.tokens[plan.token_count++] = src * T + t;

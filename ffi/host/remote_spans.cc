@@ -5,39 +5,41 @@
 namespace jax_moe::host {
 namespace {
 
-// Calls `run(first, count)` for every maximal run of consecutive indices in [0, n) where
-// `in_run(j)` holds. Sender and receiver of a signal find the same runs of what the sender
-// writes (from what both know), so the receiver knows how many writes to expect.
+// Calls `run(first, count)` for every maximal run of indices in [0, n) where `in_run(j)`
+// holds, runs separated by at most `gap` indices where it does not being one (those indices
+// inside). Sender and receiver of a signal find the same runs of what the sender writes
+// (from what both know), so the receiver knows how many writes to expect.
 template <typename Pred, typename Run>
-void for_each_run(int n, Pred in_run, Run run) {
+void for_each_run(int n, int gap, Pred in_run, Run run) {
   int j = 0;
+  while (j < n && !in_run(j)) ++j;
   while (j < n) {
-    if (!in_run(j)) {
-      ++j;
-      continue;
+    int end = j + 1;  // [j, end) holds the run so far, end - 1 in it
+    for (int next = end; next < n && next - end <= gap; ++next) {
+      if (in_run(next)) end = next + 1;
     }
-    int end = j + 1;
-    while (end < n && in_run(end)) ++end;
     run(j, end - j);
     j = end;
+    while (j < n && !in_run(j)) ++j;
   }
 }
 
 template <typename Pred>
-uint64_t count_runs(int n, Pred in_run) {
+uint64_t count_runs(int n, int gap, Pred in_run) {
   uint64_t runs = 0;
-  for_each_run(n, in_run, [&](int, int) { ++runs; });
+  for_each_run(n, gap, in_run, [&](int, int) { ++runs; });
   return runs;
 }
+
+// Rows of `row_bytes` a merged run may carry between two runs.
+int merge_gap(uint64_t row_bytes) { return int(kMergeGapBytes / row_bytes); }
 
 }  // namespace
 
 std::vector<std::vector<Span>> dispatch_route_spans(const MoeDims& d, const BufferLayout& lay,
                                                     int ntok) {
-  const uint64_t me = d.rank, T = d.max_tokens, K = d.topk;
-  const std::vector<Span> spans = {{lay.recv_num_tokens + 4 * me, 4},
-                                   {lay.recv_ids + 4 * me * T * K, 4 * uint64_t(ntok) * K},
-                                   {lay.recv_weights + 4 * me * T * K, 4 * uint64_t(ntok) * K}};
+  const std::vector<Span> spans = {
+      {route_block(lay, d, d.rank), kRouteHeaderBytes + sizeof(RouteEntry) * ntok * d.topk}};
   return std::vector<std::vector<Span>>(d.world, spans);
 }
 
@@ -49,8 +51,8 @@ std::vector<std::vector<Span>> dispatch_row_spans(const HostRankState& s, const 
   std::vector<std::vector<Span>> spans(d.world);
   for (int p = 0; p < d.world; ++p) {
     if (!is_remote(s, p)) continue;
-    for_each_run(int(dest_masks.size()), [&](int t) { return (dest_masks[t] >> p) & 1; },
-                 [&](int first, int count) {
+    for_each_run(int(dest_masks.size()), merge_gap(tb),
+                 [&](int t) { return (dest_masks[t] >> p) & 1; }, [&](int first, int count) {
                    spans[p].push_back({base + first * tb, count * tb});
                  });
   }
@@ -60,15 +62,15 @@ std::vector<std::vector<Span>> dispatch_row_spans(const HostRankState& s, const 
 std::vector<uint64_t> dispatch_row_writes(const HostRankState& s, const BufferLayout& lay,
                                           const std::vector<int>& ntok) {
   const MoeDims& d = s.dims;
-  const int T = d.max_tokens, K = d.topk, L = d.local_experts;
-  const int32_t* ids = reinterpret_cast<const int32_t*>(s.buffer + lay.recv_ids);
+  const int K = d.topk, L = d.local_experts;
   std::vector<uint64_t> writes(d.world, 1);
   for (int src = 0; src < d.world; ++src) {
     if (!is_remote(s, src)) continue;
-    const int32_t* route = ids + size_t(src) * T * K;
-    const uint64_t runs = count_runs(ntok[src], [&](int t) {
-      return std::any_of(route + t * K, route + (t + 1) * K,
-                         [&](int32_t id) { return id >= d.rank * L && id < (d.rank + 1) * L; });
+    const RouteEntry* route = route_entries(s.buffer, lay, d, src);
+    const uint64_t runs = count_runs(ntok[src], merge_gap(token_bytes(d)), [&](int t) {
+      return std::any_of(route + t * K, route + (t + 1) * K, [&](const RouteEntry& r) {
+        return r.id >= d.rank * L && r.id < (d.rank + 1) * L;
+      });
     });
     writes[src] = std::max<uint64_t>(runs, 1);
   }
@@ -91,11 +93,11 @@ std::vector<std::vector<Span>> combine_spans(const HostRankState& s, const Buffe
     };
     if (d.reduce_expert) {
       const uint64_t row_bytes = H * partial_bytes(d);
-      for_each_run(T, [&](int t) {
+      for_each_run(T, merge_gap(row_bytes), [&](int t) {
         return std::any_of(rows + t * K, rows + (t + 1) * K, [](int32_t r) { return r != -1; });
       }, add(lay.combine + uint64_t(d.rank) * T * row_bytes, row_bytes));
     } else {
-      for_each_run(T * K, [&](int j) { return rows[j] != -1; }, add(lay.combine, H * 2));
+      for_each_run(T * K, 0, [&](int j) { return rows[j] != -1; }, add(lay.combine, H * 2));
     }
   }
   return spans;
@@ -109,11 +111,11 @@ std::vector<uint64_t> combine_writes(const HostRankState& s, const int32_t* send
     if (!is_remote(s, p)) continue;
     const uint64_t runs =
         d.reduce_expert
-            ? count_runs(T, [&](int t) {
+            ? count_runs(T, merge_gap(uint64_t(d.hidden) * partial_bytes(d)), [&](int t) {
                 return std::any_of(send_dest + t * K, send_dest + (t + 1) * K,
                                    [p](int32_t dest) { return dest == p; });
               })
-            : count_runs(T * K, [&](int j) { return send_dest[j] == p; });
+            : count_runs(T * K, 0, [&](int j) { return send_dest[j] == p; });
     writes[p] = std::max<uint64_t>(runs, 1);
   }
   return writes;

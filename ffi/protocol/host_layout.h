@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "ffi/protocol/dims.h"
 
@@ -15,9 +16,11 @@ namespace jax_moe {
 //   u64 dispatch_ack[R]       destination d stores the dispatch sequence it consumed at [d]
 //   u64 combine_flag[R]       expert rank d stores its combine sequence at [d] after its rows
 //   u64 combine_ack[R]        source s stores the combine sequence it consumed at [s]
-//   i32 recv_num_tokens[R]    tokens sent by source s (already clamped to [0, T])
-//   i32 recv_ids[R][T][K]     expert id of slot (t, k) of source s; -1 when not routed
-//   f32 recv_weights[R][T][K] router weight of that slot
+//   routes[R]                 route_bytes(d) each, source s's block at [s]:
+//                               i32 num_tokens at byte 0 (already clamped to [0, T]),
+//                               RouteEntry [T][K] from byte 16 ({expert id or -1, weight} of
+//                               slot (t, k)); a source fills it up to its num_tokens, so one
+//                               write carries all of its routes
 //   recv_tokens[R][T]         token_bytes each: source s writes token t at [s][t] only when
 //                             t has a slot on this rank (a token crosses the link once)
 //   combine region            source mode: bf16 comb[T][K][H], row of slot (t, k) of this
@@ -28,13 +31,23 @@ struct BufferLayout {
   size_t dispatch_ack;
   size_t combine_flag;
   size_t combine_ack;
-  size_t recv_num_tokens;
-  size_t recv_ids;
-  size_t recv_weights;
+  size_t routes;
   size_t recv_tokens;
   size_t combine;
   size_t total;
 };
+
+// One slot's route: its expert id (-1 when the slot holds no token) and router weight.
+struct RouteEntry {
+  int32_t id;
+  float weight;
+};
+
+constexpr size_t kRouteHeaderBytes = 16;  // num_tokens, padded so the entries stay aligned
+
+JAX_MOE_HD inline size_t route_bytes(const MoeDims& d) {
+  return align_up(kRouteHeaderBytes + sizeof(RouteEntry) * d.max_tokens * d.topk, 256);
+}
 
 JAX_MOE_HD inline BufferLayout buffer_layout(const MoeDims& d) {
   const size_t R = d.world, T = d.max_tokens, K = d.topk, H = d.hidden;
@@ -43,14 +56,26 @@ JAX_MOE_HD inline BufferLayout buffer_layout(const MoeDims& d) {
   b.dispatch_ack = b.dispatch_flag + 8 * R;
   b.combine_flag = b.dispatch_ack + 8 * R;
   b.combine_ack = b.combine_flag + 8 * R;
-  b.recv_num_tokens = align_up(b.combine_ack + 8 * R, 256);
-  b.recv_ids = align_up(b.recv_num_tokens + 4 * R, 256);
-  b.recv_weights = align_up(b.recv_ids + 4 * R * T * K, 256);
-  b.recv_tokens = align_up(b.recv_weights + 4 * R * T * K, 256);
+  b.routes = align_up(b.combine_ack + 8 * R, 256);
+  b.recv_tokens = b.routes + R * route_bytes(d);
   b.combine = align_up(b.recv_tokens + R * T * token_bytes(d), 256);
   const size_t combine_bytes = d.reduce_expert ? R * T * H * partial_bytes(d) : T * K * H * 2;
   b.total = align_up(b.combine + combine_bytes, 256);
   return b;
+}
+
+// Source `src`'s route block in `buffer` (a rank's buffer or a staging copy of one): its token
+// count, and its RouteEntry [T][K].
+JAX_MOE_HD inline size_t route_block(const BufferLayout& lay, const MoeDims& d, int src) {
+  return lay.routes + size_t(src) * route_bytes(d);
+}
+JAX_MOE_HD inline int32_t* route_tokens(char* buffer, const BufferLayout& lay, const MoeDims& d,
+                                        int src) {
+  return reinterpret_cast<int32_t*>(buffer + route_block(lay, d, src));
+}
+JAX_MOE_HD inline RouteEntry* route_entries(char* buffer, const BufferLayout& lay,
+                                            const MoeDims& d, int src) {
+  return reinterpret_cast<RouteEntry*>(buffer + route_block(lay, d, src) + kRouteHeaderBytes);
 }
 
 }  // namespace jax_moe
