@@ -13,8 +13,8 @@ a raw TransferEngine loop can move exactly those bytes in exactly those writes:
                                2*H B each; expert mode: one per merged run of src's tokens
                                with a slot on dst, H * partial bytes each
   combine ack      src -> dst  1 empty write
-A merged run joins runs at most MERGE_GAP_BYTES // row bytes rows apart (the rows between go
-along). An empty run list still costs one (empty) write: the receiver counts writes, not bytes.
+A merged run joins runs at most merge_gap_bytes(ranks) // row bytes rows apart (the rows
+between go along). An empty run list still costs one (empty) write: the receiver counts writes, not bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ import numpy as np
 ROUTE_HEADER_BYTES = 16   # ffi/protocol/host_layout.h kRouteHeaderBytes
 ROUTE_ENTRY_BYTES = 8     # RouteEntry {id, weight}
 MERGE_GAP_BYTES = 64 << 10  # ffi/host/remote_spans.h kMergeGapBytes
+
+
+def merge_gap_bytes(ranks: int) -> int:
+  """Bytes a merged run may carry between two runs (remote_spans.h merge_gap_bytes)."""
+  return MERGE_GAP_BYTES if ranks <= 8 else MERGE_GAP_BYTES * 8 // ranks
 
 
 def _align16(n: int) -> int:
@@ -119,7 +124,8 @@ def directions(topk_ids: np.ndarray, ranks: int, ranks_per_process: int, experts
   row_bytes = token_bytes(hidden, fp8, block_size)
   combine_unit = 2 * hidden if reduce == "source" else hidden * partial_bytes
   # Source mode never merges: other ranks write the rows between a rank's runs.
-  combine_gap = 0 if reduce == "source" else MERGE_GAP_BYTES // combine_unit
+  gap_bytes = merge_gap_bytes(ranks)
+  combine_gap = 0 if reduce == "source" else gap_bytes // combine_unit
   processes = ranks // ranks_per_process
   process_of = lambda r: r // ranks_per_process  # noqa: E731
 
@@ -136,8 +142,7 @@ def directions(topk_ids: np.ndarray, ranks: int, ranks_per_process: int, experts
           sent = dest[s] == e  # [T, K] slots of s's tokens held by e
           if process_of(s) == a and process_of(e) == b:
             routes += [ROUTE_HEADER_BYTES + ROUTE_ENTRY_BYTES * T * K]
-            rows += _as_writes(merged_runs(sent.any(axis=1), MERGE_GAP_BYTES // row_bytes),
-                               row_bytes)
+            rows += _as_writes(merged_runs(sent.any(axis=1), gap_bytes // row_bytes), row_bytes)
             combine_acks += 1  # s acknowledges e's combine
           elif process_of(e) == a and process_of(s) == b:
             dispatch_acks += 1  # e acknowledges s's dispatch

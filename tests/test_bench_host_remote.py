@@ -60,6 +60,22 @@ def test_dispatch_writes_one_route_block_and_the_merged_runs_of_tokens(fp8, row)
     assert to_1.dispatch.acks == to_1.combine.acks == 1
 
 
+def test_the_merge_gap_shrinks_past_world_8():
+    assert remote_traffic.merge_gap_bytes(2) == remote_traffic.merge_gap_bytes(8) == 64 << 10
+    assert remote_traffic.merge_gap_bytes(64) == 8 << 10
+    # Rank 0's tokens 0 and 11 reach rank 1 (expert 1 of 16), the 10 between stay home: a gap
+    # of 40 KiB of bf16 rows, inside 64 KiB but not inside world 16's 32 KiB.
+    def rows_to_1(ranks):
+        ids = np.zeros((ranks * 12, 1), np.int32)
+        ids[[0, 11], 0] = 1
+        to = remote_traffic.directions(ids, ranks, 1, experts=ranks, hidden=2048, fp8=False,
+                                       block_size=128, reduce="expert", partial_bytes=2)
+        return next(d for d in to if (d.source, d.dest) == (0, 1)).dispatch.payload
+
+    assert rows_to_1(8) == [12 * 4096]
+    assert rows_to_1(16) == [4096, 4096]
+
+
 def test_rows_farther_apart_than_the_merge_gap_go_in_a_write_per_run():
     to_1, to_0 = directions("expert", hidden=WIDE, partial_bytes=4)
     assert to_1.dispatch.payload == [2 * WIDE, 2 * 2 * WIDE]  # tokens 0 | 2, 3

@@ -32,7 +32,9 @@ uint64_t count_runs(int n, int gap, Pred in_run) {
 }
 
 // Rows of `row_bytes` a merged run may carry between two runs.
-int merge_gap(uint64_t row_bytes) { return int(kMergeGapBytes / row_bytes); }
+int merge_gap(const MoeDims& d, uint64_t row_bytes) {
+  return int(merge_gap_bytes(d) / row_bytes);
+}
 
 }  // namespace
 
@@ -51,7 +53,7 @@ std::vector<std::vector<Span>> dispatch_row_spans(const HostRankState& s, const 
   std::vector<std::vector<Span>> spans(d.world);
   for (int p = 0; p < d.world; ++p) {
     if (!is_remote(s, p)) continue;
-    for_each_run(int(dest_masks.size()), merge_gap(tb),
+    for_each_run(int(dest_masks.size()), merge_gap(d, tb),
                  [&](int t) { return (dest_masks[t] >> p) & 1; }, [&](int first, int count) {
                    spans[p].push_back({base + first * tb, count * tb});
                  });
@@ -67,7 +69,7 @@ std::vector<uint64_t> dispatch_row_writes(const HostRankState& s, const BufferLa
   for (int src = 0; src < d.world; ++src) {
     if (!is_remote(s, src)) continue;
     const RouteEntry* route = route_entries(s.buffer, lay, d, src);
-    const uint64_t runs = count_runs(ntok[src], merge_gap(token_bytes(d)), [&](int t) {
+    const uint64_t runs = count_runs(ntok[src], merge_gap(d, token_bytes(d)), [&](int t) {
       return std::any_of(route + t * K, route + (t + 1) * K, [&](const RouteEntry& r) {
         return r.id >= d.rank * L && r.id < (d.rank + 1) * L;
       });
@@ -93,7 +95,7 @@ std::vector<std::vector<Span>> combine_spans(const HostRankState& s, const Buffe
     };
     if (d.reduce_expert) {
       const uint64_t row_bytes = H * partial_bytes(d);
-      for_each_run(T, merge_gap(row_bytes), [&](int t) {
+      for_each_run(T, merge_gap(d, row_bytes), [&](int t) {
         return std::any_of(rows + t * K, rows + (t + 1) * K, [](int32_t r) { return r != -1; });
       }, add(lay.combine + uint64_t(d.rank) * T * row_bytes, row_bytes));
     } else {
@@ -111,7 +113,7 @@ std::vector<uint64_t> combine_writes(const HostRankState& s, const int32_t* send
     if (!is_remote(s, p)) continue;
     const uint64_t runs =
         d.reduce_expert
-            ? count_runs(T, merge_gap(uint64_t(d.hidden) * partial_bytes(d)), [&](int t) {
+            ? count_runs(T, merge_gap(d, uint64_t(d.hidden) * partial_bytes(d)), [&](int t) {
                 return std::any_of(send_dest + t * K, send_dest + (t + 1) * K,
                                    [p](int32_t dest) { return dest == p; });
               })

@@ -3,9 +3,11 @@
 // runs of consecutive slots or tokens, so a sender posts one write per run; the receiver
 // finds the same runs from what it knows (send_dest, or routes that arrived first). Where a
 // region belongs to one sender (its tokens' rows, its partials), runs closer than
-// kMergeGapBytes are one write that carries the rows between them too (unused there): a
+// merge_gap_bytes(d) are one write that carries the rows between them too (unused there): a
 // write costs about as much as moving that many bytes, so at decode sizes a peer gets one
-// write per phase instead of one per run (EP8: ~30 runs of 128 tokens).
+// write per phase instead of one per run (EP8: ~30 runs of 128 tokens). The gap shrinks
+// with the world size: the peers share the rank's link, and at EP64 a token reaches one peer
+// in eight, so wide gaps would multiply the bytes instead of saving writes.
 #pragma once
 
 #include <cstdint>
@@ -20,7 +22,11 @@ inline bool is_remote(const HostRankState& s, int peer) {
   return s.remote != nullptr && s.remote->is_remote(peer);
 }
 
-constexpr uint64_t kMergeGapBytes = 64 << 10;
+constexpr uint64_t kMergeGapBytes = 64 << 10;  // up to world 8, then 8 / world of it
+
+inline uint64_t merge_gap_bytes(const MoeDims& d) {
+  return d.world <= 8 ? kMergeGapBytes : kMergeGapBytes * 8 / uint64_t(d.world);
+}
 
 // dispatch_send first writes (Signal::kDispatch) its route block up to its `ntok` tokens
 // (token count and route entries, ffi/protocol/host_layout.h): one span, the same for every
