@@ -742,7 +742,7 @@ struct StagedSink {
 template <int kCPL>
 __device__ void quantize_staged(const MoeDims& d, const StagedLayout& s, int n, char* ring) {
   const int warps = kExchangeWarps - 1, warp = block_warp() - 1;
-  if (warp < 0) return;
+  if (warp < 0 || n == 0) return;  // blocks past the tokens stage none (decode, T < grid)
   const int H = d.hidden, nb = H / d.block_size;
   const int parts = max(1, min(nb, (warps + n - 1) / n));
   for (int task = warp; task < n * parts; task += warps) {
