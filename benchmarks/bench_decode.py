@@ -102,6 +102,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--expert-weights", choices=("dtype", "fp8"), default="dtype",
                  help="the routed experts' weights in bf16, or block-fp8 fed to the grouped "
                       "GEMM as such (the f32 check twins stay f32)")
+  p.add_argument("--overlap-shared-experts", action="store_true",
+                 help="run the shared experts (DeepSeek-V3's) between the halves of each MoE "
+                      "layer's dispatch, while the routed rows travel (off in the models by "
+                      "default until this measures the gain; the check twins take it too)")
   p.add_argument("--ep", type=int, default=None, help="use the first N devices (default all)")
   p.add_argument("--steps", type=int, default=32, help="decode steps of the long timed loop")
   p.add_argument("--short-steps", type=int, default=4, help="decode steps of the short loop")
@@ -145,9 +149,11 @@ def model_config(name: str, layers: int | None) -> dict:
   return config
 
 
-def _build(name, mesh, backend, dtype, wire, seed, layers=None, expert_weights="dtype"):
+def _build(name, mesh, backend, dtype, wire, seed, layers=None, expert_weights="dtype",
+           overlap_shared_experts=False):
   return models.from_config(model_config(name, layers), mesh=mesh, backend=backend, dtype=dtype,
-                            wire=wire, seed=seed, expert_weights=expert_weights)
+                            wire=wire, seed=seed, expert_weights=expert_weights,
+                            overlap_shared_experts=overlap_shared_experts)
 
 
 def bytes_on_first_device(tree) -> int:
@@ -174,7 +180,8 @@ def check_backends(name, mesh, backends, args, batch) -> dict:
     # layers in one program and not in the other (suspected cause of a 3e-4 gap on 2xH200).
     precision = "highest" if dtype == jnp.float32 else "default"
     for backend in backends:
-      model = _build(name, mesh, backend, dtype, wire, args.seed, args.layers)
+      model = _build(name, mesh, backend, dtype, wire, args.seed, args.layers,
+                     overlap_shared_experts=args.overlap_shared_experts)
       with jax.default_matmul_precision(precision):
         logits[backend] = np.asarray(models.forward(model, _prompt(model, batch, args.prompt_len,
                                                                     args.seed)))
@@ -254,7 +261,7 @@ def time_model(name, mesh, backend, args, batch, read, prefill_may_fail=False) -
   memory is recorded as such and the decode starts from an empty cache (a step reads the
   whole cache, masked, so it costs the same at any position)."""
   model = _build(name, mesh, backend, jnp.bfloat16, args.wire, args.seed, args.layers,
-                 args.expert_weights)
+                 args.expert_weights, args.overlap_shared_experts)
   ids = _prompt(model, batch, args.prompt_len, args.seed)
   # the prompt is prefilled at max_len = prompt + steps so one cache shape serves every n
   max_len = args.prompt_len + args.steps + 1
@@ -474,6 +481,7 @@ def main(argv=None) -> int:
       "environment": provenance(mesh, args.git_commit),
       "config": {"batch": batches, "prompt_len": args.prompt_len, "wire": args.wire,
                  "expert_weights": args.expert_weights,
+                 "overlap_shared_experts": args.overlap_shared_experts,
                  "dtype": "bfloat16", "backends": backends, "seed": args.seed,
                  "models": {name: model_config(name, args.layers) for name in args.models}},
       "read_bandwidth": read,

@@ -6,10 +6,13 @@ its module lazily (`qwen3_moe` -> `jax_moe.models.qwen3_moe.Qwen3MoeForCausalLM`
 
 A model class subclasses `CausalLM` (an `nnx.Module`), which is built as
 `cls(config: dict, *, rules: ShardingRules, backend="auto", dtype=bf16, wire=None,
-expert_weights="dtype")` with `config` the parsed config.json; `expert_weights` is how the
-routed experts hold their weights: "dtype" (the model dtype) or "fp8" (block-fp8,
-`grouped_gemm.BlockFp8Weights`, with the block of config.json's `quantization_config`, else
-128 x 128; see jax_moe.models.moe). The class declares
+expert_weights="dtype", overlap_shared_experts=False)` with `config` the parsed config.json;
+`expert_weights` is how the routed experts hold their weights: "dtype" (the model dtype) or
+"fp8" (block-fp8, `grouped_gemm.BlockFp8Weights`, with the block of config.json's
+`quantization_config`, else 128 x 128; see jax_moe.models.moe). `overlap_shared_experts`
+runs the shared experts between the halves of each MoE layer's dispatch (off by default: the
+gain is not measured yet); it goes into the config of models with shared experts
+(`n_shared_experts`, DeepSeek-V3) and changes nothing in the others. The class declares
 
   config_class
       `config_class.from_hf(config)` -> a frozen dataclass (hashable, static values only: no
@@ -98,7 +101,8 @@ class CausalLM(nnx.Module):
   layer_class: type
 
   def __init__(self, config: dict, *, rules: ShardingRules, backend: str = "auto",
-               dtype=jnp.bfloat16, wire: str | None = None, expert_weights: str = "dtype"):
+               dtype=jnp.bfloat16, wire: str | None = None, expert_weights: str = "dtype",
+               overlap_shared_experts: bool = False):
     """The decoder trunk: embed_tokens [V, D], layers, final norm, lm_head (None if tied)."""
     if expert_weights not in EXPERT_WEIGHTS:
       raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
@@ -108,7 +112,11 @@ class CausalLM(nnx.Module):
     self.rules = rules
     self.dtype = jnp.dtype(dtype)
     self.pool = CommunicatorPool(rules, backend)
-    cfg = self.cfg = self.config_class.from_hf(config)
+    cfg = self.config_class.from_hf(config)
+    # Only a model with shared experts has something to overlap, and a field to hold it.
+    if overlap_shared_experts and getattr(cfg, "n_shared_experts", 0):
+      cfg = dataclasses.replace(cfg, overlap_shared_experts=True)
+    self.cfg = cfg
     kw = dict(rules=rules, dtype=self.dtype)
     self.embed_tokens = layers.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
     self.layers = nnx.List([self.layer_class(cfg, i, pool=self.pool, wire=wire,

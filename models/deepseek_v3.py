@@ -64,6 +64,10 @@ class DeepseekV3Config:
   tie_word_embeddings: bool
   routing: RoutingConfig
   attention: MLAConfig
+  # A run option, not read from config.json (base.CausalLM sets it): the shared experts run
+  # between the dispatch's halves, while the routed rows travel. Off until the gain is
+  # measured on GPUs (benchmarks/bench_decode.py --overlap-shared-experts).
+  overlap_shared_experts: bool = False
 
   @classmethod
   def from_hf(cls, config: dict) -> "DeepseekV3Config":
@@ -156,13 +160,21 @@ class DeepseekV3MoE(nnx.Module):
                                            cfg.moe_intermediate_size * cfg.n_shared_experts,
                                            rules=rules, pool=pool, dtype=dtype)
                            if cfg.n_shared_experts else None)
+    self.overlap_shared_experts = cfg.overlap_shared_experts
 
   def __call__(self, x_bsd):
     with jax.named_scope(stages.ROUTER):
       ids_tk, weights_tk = self.gate(x_bsd.reshape(-1, x_bsd.shape[-1]))
-    y_bsd = self.experts(x_bsd, ids_tk, weights_tk)
     if self.shared_experts is None:
-      return y_bsd
+      return self.experts(x_bsd, ids_tk, weights_tk)
+    if self.overlap_shared_experts:
+      # dispatch_send -> shared experts -> dispatch_recv: their GEMMs run while the routed
+      # rows travel.
+      y_bsd, shared_bsd = self.experts.overlapped(x_bsd, ids_tk, weights_tk,
+                                                  self.shared_experts, stages.SHARED_EXPERTS)
+      with jax.named_scope(stages.SHARED_EXPERTS):
+        return y_bsd + shared_bsd
+    y_bsd = self.experts(x_bsd, ids_tk, weights_tk)
     with jax.named_scope(stages.SHARED_EXPERTS):
       return y_bsd + self.shared_experts(x_bsd)
 
@@ -200,6 +212,10 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.embed_tokens(input_ids_bs), cache,
         lambda layer, x_bsd, layer_cache: layer(x_bsd, positions_bs, layer_cache, index))
     return self.final_logits(x_bsd, self.embed_tokens, cache, new_layers)
+
+  def layout(self) -> str:
+    overlap = self.cfg.overlap_shared_experts
+    return super().layout() + (", shared experts between the dispatch halves" if overlap else "")
 
   def init_cache(self, batch: int, max_len: int) -> Cache:
     def place(array_bsx):

@@ -9,6 +9,7 @@ Contract (what the models rely on):
   experts = RoutedExperts(num_experts, dim, hidden, experts_per_token=K, rules=..., pool=...,
                           dtype=..., fp8_block=None)
   y_td = experts(x_td, topk_ids_tk, topk_weights_tk)
+  y_td, z = experts.overlapped(x_td, topk_ids_tk, topk_weights_tk, module, scope)  # module(x)
 
   - `x_td` [T, D] in the model dtype (or [B, S, D]; the leading dims are flattened and
     restored). Routing is the model's job: `topk_ids_tk` [T, K] int32 (`-1` = slot unused),
@@ -31,6 +32,11 @@ Contract (what the models rely on):
     Communicator runs in its DP-group mode (`replicated_over` the tp axis): each rank of a
     group sends its Tg / tp rows, and every rank gets all Tg outputs of its group. Works
     inside or outside jit, with any jax_moe backend.
+  - `overlapped` gives the same y_td, bit for bit (its dispatch goes as dispatch_send and
+    dispatch_recv, which give the fused op's bits), and module(x_td), an nnx.Module run under
+    the named scope `scope` between the two halves, while the rows travel (DeepSeek-V3's
+    shared experts with `overlap_shared_experts`). On one GPU the cuda backend's fused
+    dispatch skips its buffer and the halves do not: there the overlap gives up that shortcut.
   - Communicators allocate, so they are built outside jit: one per MoEConfig (one per
     per-shard token count), cached in a `CommunicatorPool` shared by all layers of a model.
     Call `pool.prepare(num_tokens)` (models do it in `prepare(batch, seq)`) before tracing
@@ -227,9 +233,20 @@ class RoutedExperts(nnx.Module):
                         partial_dtype=PARTIAL_DTYPE if expert else jnp.float32)
 
   def __call__(self, x_td, topk_ids_tk, topk_weights_tk):
-    lead_shape = x_td.shape[:-1]
+    y_td, _ = self._run(x_td, topk_ids_tk, topk_weights_tk, None, None)
+    return y_td
+
+  def overlapped(self, x_td, topk_ids_tk, topk_weights_tk, overlap: nnx.Module, scope: str):
+    """(self(x_td, topk_ids_tk, topk_weights_tk), overlap(x_td)), the module `overlap` run
+    under the named scope `scope` while the dispatched rows are in flight: the dispatch goes
+    as its halves, dispatch_send -> overlap -> dispatch_recv, which give the fused dispatch's
+    bits (docs/semantics.md). `overlap` takes x as given (any leading dims)."""
+    return self._run(x_td, topk_ids_tk, topk_weights_tk, overlap, scope)
+
+  def _run(self, x, topk_ids_tk, topk_weights_tk, overlap, scope):
+    lead_shape = x.shape[:-1]
     D, K = self.dim, self.experts_per_token
-    x_td = x_td.reshape(-1, D)
+    x_td = x.reshape(-1, D)
     T = x_td.shape[0]
     if topk_ids_tk.reshape(-1, K).shape[0] != T or topk_weights_tk.reshape(-1, K).shape[0] != T:
       raise ValueError(f"RoutedExperts: topk_ids {topk_ids_tk.shape} and topk_weights "
@@ -243,15 +260,48 @@ class RoutedExperts(nnx.Module):
     x_td = jnp.pad(x_td, ((0, pad), (0, 0)))
     ids_tk = jnp.pad(ids_tk, ((0, pad), (0, 0)), constant_values=-1)
     weights_tk = jnp.pad(weights_tk, ((0, pad), (0, 0)))
-    per_shard = self._exact_shard if self.wire == "exact" else self._wire_shard
     # tokens over the groups (replicated inside a tp group), experts over every rank
-    rows, experts = P(self.rules.axis), P(self.rules.expert_axis)
-    fn = shard_map(lambda *a: per_shard(comm, T, Tp, *a), self.rules.mesh,
-                   in_specs=(rows, rows, rows, experts, experts, experts), out_specs=rows)
+    rows, experts, mesh = P(self.rules.axis), P(self.rules.expert_axis), self.rules.mesh
     # get_value, not [...]: a BlockFp8Weights is a pytree, P(ax) shards each of its arrays
-    y_td = fn(x_td, ids_tk, weights_tk, self.w_gate_edf.get_value(), self.w_up_edf.get_value(),
-              self.w_down_efd.get_value())
-    return y_td[:T].reshape(*lead_shape, D)
+    w = (self.w_gate_edf.get_value(), self.w_up_edf.get_value(), self.w_down_efd.get_value())
+    dtype = x_td.dtype
+    if overlap is None:
+      def fused(x_td, ids_tk, weights_tk, *w):
+        with jax.named_scope(stages.DISPATCH):
+          r = comm.dispatch(*self._dispatch_args(T, Tp, x_td, ids_tk, weights_tk))
+        return self._experts_and_combine(comm, r, weights_tk, *w, dtype)
+
+      y_td = shard_map(fused, mesh, in_specs=(rows, rows, rows) + (experts,) * 3,
+                       out_specs=rows)(x_td, ids_tk, weights_tk, *w)
+      return y_td[:T].reshape(*lead_shape, D), None
+
+    def send(x_td, ids_tk, weights_tk):
+      with jax.named_scope(stages.DISPATCH):
+        pending = comm.dispatch_send(*self._dispatch_args(T, Tp, x_td, ids_tk, weights_tk))
+      # Out of shard_map as one row of a [ranks, ...] array per leaf (some are scalars):
+      # `recv` takes the same rows, so each rank receives its own pending half.
+      return jax.tree.map(lambda a: a[None], pending)
+
+    def recv(pending, weights_tk, *w):
+      with jax.named_scope(stages.DISPATCH):
+        r = comm.dispatch_recv(jax.tree.map(lambda a: a[0], pending))
+      return self._experts_and_combine(comm, r, weights_tk, *w, dtype)
+
+    pending = shard_map(send, mesh, in_specs=(rows, rows, rows),
+                        out_specs=experts)(x_td, ids_tk, weights_tk)
+    # `overlap` needs nothing the exchange makes, so the scheduler could place it anywhere:
+    # the barriers pin it after the send and before the receive. They take its parameters
+    # and a copy of its output, not x or the output the caller adds: a barrier on those would
+    # round them to the model dtype where XLA keeps a bf16 model's fused values in f32
+    # (excess precision), and the logits would differ from the fused dispatch's.
+    graphdef, state = nnx.split(overlap)
+    pending, state = jax.lax.optimization_barrier((pending, state))
+    with jax.named_scope(scope):
+      overlapped = nnx.merge(graphdef, state)(x)
+    pending, _ = jax.lax.optimization_barrier((pending, overlapped))
+    y_td = shard_map(recv, mesh, in_specs=(experts, rows) + (experts,) * 3,
+                     out_specs=rows)(pending, weights_tk, *w)
+    return y_td[:T].reshape(*lead_shape, D), overlapped
 
   # ---------------------------------------------------------------- per shard
   def _real_tokens(self, T: int, Tp: int):
@@ -306,25 +356,28 @@ class RoutedExperts(nnx.Module):
     h = (jax.nn.silu(gate) * up).astype(rows.dtype)
     return dot(h, w_down)
 
-  def _wire_shard(self, comm, T, Tp, x_td, ids_tk, weights_tk, w_gate, w_up, w_down):
-    with jax.named_scope(stages.DISPATCH):
-      r = comm.dispatch(x_td.astype(jnp.bfloat16), ids_tk, weights_tk,
-                        self._real_tokens(T, Tp))
-      rows = (jm.dequantize_fp8(r.x, r.scales, jnp.bfloat16) if comm.cfg.is_fp8 else r.x)
-    with jax.named_scope(stages.EXPERTS):
-      y = self._experts(rows.astype(self.dtype), r.group_sizes, w_gate, w_up, w_down, None)
-    with jax.named_scope(stages.COMBINE):
-      out = comm.combine(y.astype(jnp.bfloat16), r.handle)
-    return out.astype(x_td.dtype)
-
-  def _exact_shard(self, comm, T, Tp, x_td, ids_tk, weights_tk, w_gate, w_up, w_down):
+  def _dispatch_args(self, T, Tp, x_td, ids_tk, weights_tk):
+    """What this shard hands dispatch, (x, ids, weights, num_tokens), in the wire's form."""
+    if self.wire != "exact":
+      return x_td.astype(jnp.bfloat16), ids_tk, weights_tk, self._real_tokens(T, Tp)
     K = self.experts_per_token
     # every (token, slot) becomes its own token with one expert and weight 1
     x_parts = jnp.repeat(split_f32(x_td), K, axis=0)                    # [Tp*K, 3D]
     ids = ids_tk.reshape(Tp * K, 1)
     ones = jnp.where(ids >= 0, 1.0, 0.0).astype(jnp.float32)
+    return x_parts, ids, ones, self._real_tokens(T, Tp) * K
+
+  def _experts_and_combine(self, comm, r, weights_tk, w_gate, w_up, w_down, dtype):
+    """The dispatched rows `r` through the experts and back: this shard's [Tp, D] in dtype."""
+    if self.wire != "exact":
+      with jax.named_scope(stages.DISPATCH):
+        rows = (jm.dequantize_fp8(r.x, r.scales, jnp.bfloat16) if comm.cfg.is_fp8 else r.x)
+      with jax.named_scope(stages.EXPERTS):
+        y = self._experts(rows.astype(self.dtype), r.group_sizes, w_gate, w_up, w_down, None)
+      with jax.named_scope(stages.COMBINE):
+        out = comm.combine(y.astype(jnp.bfloat16), r.handle)
+      return out.astype(dtype)
     with jax.named_scope(stages.DISPATCH):
-      r = comm.dispatch(x_parts, ids, ones, self._real_tokens(T, Tp) * K)
       rows = join_f32(r.x)
     # fp8 weights are dequantized in f32 by the GEMM (x's dtype), exactly as stored
     f32 = lambda w: w if isinstance(w, BlockFp8Weights) else w.astype(jnp.float32)
@@ -333,8 +386,8 @@ class RoutedExperts(nnx.Module):
                         jax.lax.Precision.HIGHEST)
     with jax.named_scope(stages.COMBINE):
       y_parts = comm.combine(split_f32(y), r.handle)                    # [Tp*K, 3D], exact
-    y_tkd = join_f32(y_parts).reshape(Tp, K, self.dim)
-    out = jnp.zeros((Tp, self.dim), jnp.float32)
-    for k in range(K):  # fixed k order, f32
+    y_tkd = join_f32(y_parts).reshape(*weights_tk.shape, self.dim)
+    out = jnp.zeros((weights_tk.shape[0], self.dim), jnp.float32)
+    for k in range(self.experts_per_token):  # fixed k order, f32
       out = out + weights_tk[:, k:k + 1] * y_tkd[:, k]
-    return out.astype(x_td.dtype)
+    return out.astype(dtype)

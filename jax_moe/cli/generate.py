@@ -27,6 +27,10 @@ def add_parser(commands) -> None:
                         help="routed experts' weights: in --dtype (block-fp8 checkpoint weights "
                              "dequantized on load) or block-fp8 codes and scales fed to the "
                              "grouped GEMM (others quantized on load)")
+  generate.add_argument("--overlap-shared-experts", action="store_true",
+                        help="run the shared experts (DeepSeek-V3's) between the halves of "
+                             "each MoE layer's dispatch, while the routed rows travel; the "
+                             "same tokens. Off by default: the gain is not measured yet")
   generate.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel group size: attention heads, dense MLPs and "
                              "shared experts split over N devices, devices / N data-parallel "
@@ -126,12 +130,14 @@ def _build_model(args, reader, mesh):
 
   kwargs = dict(mesh=mesh, backend=args.backend, wire=args.wire,
                 expert_weights=args.expert_weights,
+                overlap_shared_experts=args.overlap_shared_experts,
                 dtype={"bf16": jnp.bfloat16, "f32": jnp.float32}[args.dtype])
   if reader is None:
     return (models.tiny(args.model, seed=args.seed, **kwargs),
             f"{args.model} (embedded config, random weights, seed {args.seed})")
   model = models._build(reader.config, kwargs.pop("mesh"), None, kwargs["backend"],
-                        kwargs["dtype"], kwargs["wire"], kwargs["expert_weights"])
+                        kwargs["dtype"], kwargs["wire"], kwargs["expert_weights"],
+                        overlap_shared_experts=kwargs["overlap_shared_experts"])
   return loader.load_weights(model, reader, progress=distributed.is_primary()), args.model
 
 
