@@ -4,10 +4,10 @@ dispatch_recv (models/moe.py, RoutedExperts.overlapped).
 The logits equal the option-off logits bit for bit on CPU (the halves give the fused
 dispatch's bits, docs/semantics.md) for every backend here, f32 and bf16, every wire, on the
 1-D mesh and on a (dp, tp) mesh, jitted (a prefill and a cached step) and, on the host
-backend, eager. The traced
-program puts the shared experts where the option says: their GEMMs depend on the exchange's
-send and the routed experts' GEMMs depend on them, which the option-off program does not do
-(so a silently ignored option fails). Models without shared experts do not take the option.
+backend, eager. The traced program puts the shared experts where the option says: their GEMMs
+depend on the exchange's send and the routed experts' GEMMs depend on them, which the
+option-off program does not do (so a silently ignored option fails). Models without shared
+experts do not take the option.
 """
 
 import jax
