@@ -42,25 +42,29 @@ def token_bytes(hidden: int, fp8: bool, block_size: int) -> int:
   return _align16(hidden + 4 * (hidden // block_size)) if fp8 else 2 * hidden
 
 
-def runs(mask: np.ndarray) -> np.ndarray:
-  """Lengths of the maximal runs of True in a 1-d boolean array, in order."""
+def _run_bounds(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(starts, ends) of the maximal runs of True in a 1-d boolean array, in order."""
   padded = np.concatenate([[False], mask.astype(bool), [False]])
   edges = np.flatnonzero(padded[1:] != padded[:-1])
-  return edges[1::2] - edges[0::2]
+  return edges[0::2], edges[1::2]
+
+
+def runs(mask: np.ndarray) -> np.ndarray:
+  """Lengths of the maximal runs of True in a 1-d boolean array, in order."""
+  starts, ends = _run_bounds(mask)
+  return ends - starts
 
 
 def merged_runs(mask: np.ndarray, gap: int) -> list[int]:
   """Lengths of the runs of True, runs at most `gap` False entries apart joined (the False
   entries between them counted), in order."""
-  starts = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8)])) == 1)
-  lengths = runs(mask)
-  merged: list[list[int]] = []
-  for start, n in zip(starts.tolist(), lengths.tolist()):
-    if merged and start - (merged[-1][0] + merged[-1][1]) <= gap:
-      merged[-1][1] = start + n - merged[-1][0]
+  merged: list[list[int]] = []  # [start, end) of each merged run
+  for start, end in zip(*(b.tolist() for b in _run_bounds(mask))):
+    if merged and start - merged[-1][1] <= gap:
+      merged[-1][1] = end
     else:
-      merged.append([start, n])
-  return [n for _, n in merged]
+      merged.append([start, end])
+  return [end - start for start, end in merged]
 
 
 def _as_writes(run_lengths, unit: int) -> list[int]:

@@ -182,7 +182,12 @@ void dispatch_send(HostRankState& s, TokenInput input, const void* x, const floa
   const int given = *num_tokens;
   const int ntok = std::min(std::max(given, 0), T);
   if (given != ntok) s.record_error(kBadNumTokens, kStageDispatchSend, given);
-  for (char* peer : s.peers) *route_tokens(peer, lay, d, me) = ntok;
+  // This rank's route block in every rank's view (its buffer, or the staging copy of it).
+  std::vector<RouteEntry*> route_out;
+  for (char* peer : s.peers) {
+    *route_tokens(peer, lay, d, me) = ntok;
+    route_out.push_back(route_entries(peer, lay, d, me));
+  }
 
   // Routes first. A rank alone in its process posts them to the remote ranks before packing
   // any row: they are small and a receiver needs them to know which rows to expect. With
@@ -201,8 +206,8 @@ void dispatch_send(HostRankState& s, TokenInput input, const void* x, const floa
       send_dest[t * K + k] = dest;
       if (dest >= 0) dest_masks[t] |= 1ull << dest;
       // Every rank gets the route: each counts the slots of its own experts.
-      for (char* peer : s.peers)
-        route_entries(peer, lay, d, me)[t * K + k] = RouteEntry{id, topk_weights[t * K + k]};
+      const RouteEntry entry{id, topk_weights[t * K + k]};
+      for (RouteEntry* routes : route_out) routes[t * K + k] = entry;
     }
   }
   int local_ranks = 0;
