@@ -10,12 +10,18 @@
 namespace jax_moe {
 
 // A device's requests to its host proxy thread (ffi/cuda/host_proxy.h), in mapped pinned host
-// memory. The stream stores `seq << 8 | op` into `request` after the request's inputs are in
-// host memory; the proxy runs that exchange, stores `seq` into `done`, and the stream goes on.
-// One request at a time: the stream waits for each (so inputs and outputs can be reused).
+// memory. A one-thread kernel of the stream clears `answered` and stores `seq << 8 | op` into
+// `request` after the request's inputs are in host memory; the proxy runs that phase, stores
+// `seq` into `done` and 1 into `answered`. The stream then goes on: with stream waits, once a
+// stream memory operation (cuStreamWaitValue32) saw `answered` == 1, so no kernel holds an
+// SM, or the GPU's time slice when processes share a GPU, while the proxy works; else once
+// the ringing kernel, spinning, saw `done` reach `seq`. One request at a time: the stream
+// waits for each (so inputs and outputs can be reused).
 struct ProxyDoorbell {
   uint64_t request;
   uint64_t done;
+  uint32_t answered;
+  uint32_t unused;
 };
 
 // Per-device bookkeeping in device memory, touched only by this device's kernels.

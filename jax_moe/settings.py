@@ -44,6 +44,16 @@ def force_remote() -> bool:
   return text == "1"
 
 
+def proxy_wait() -> str:
+  """JAX_MOE_PROXY_WAIT: how a cuda stream waits for its host proxy: "stream" (default, a
+  stream memory operation on the doorbell: no kernel holds the GPU meanwhile) or "kernel" (a
+  one-thread kernel spins, timeout-bounded on the GPU)."""
+  text = os.environ.get("JAX_MOE_PROXY_WAIT", "stream")
+  if text not in ("stream", "kernel"):
+    raise ValueError(f"JAX_MOE_PROXY_WAIT must be 'stream' or 'kernel', got {text!r}")
+  return text
+
+
 def host_provider() -> str:
   """JAX_MOE_HOST_PROVIDER: the libfabric provider of the host backend across processes."""
   return os.environ.get("JAX_MOE_HOST_PROVIDER", DEFAULT_HOST_PROVIDER)

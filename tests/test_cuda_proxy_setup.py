@@ -34,6 +34,23 @@ def test_switches_refuse_other_values(monkeypatch, name, read, bad):
         read()
 
 
+@pytest.mark.parametrize("value, expected", [(None, "stream"), ("stream", "stream"),
+                                             ("kernel", "kernel")])
+def test_proxy_wait_reads_the_environment(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("JAX_MOE_PROXY_WAIT", raising=False)
+    else:
+        monkeypatch.setenv("JAX_MOE_PROXY_WAIT", value)
+    assert settings.proxy_wait() == expected
+
+
+@pytest.mark.parametrize("bad", ["", "spin", "Stream", " stream"])
+def test_proxy_wait_refuses_other_values(monkeypatch, bad):
+    monkeypatch.setenv("JAX_MOE_PROXY_WAIT", bad)
+    with pytest.raises(ValueError, match="JAX_MOE_PROXY_WAIT must be 'stream' or 'kernel'"):
+        settings.proxy_wait()
+
+
 def fake_devices(processes):
     return np.array([[types.SimpleNamespace(process_index=p) for p in processes]])
 

@@ -24,18 +24,20 @@ void bind_cuda(nb::module_& m) {
   m.def(
       "cuda_create_rank",
       [](int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s, bool proxy,
-         int chunks, bool stage_clocks) {
+         int chunks, bool stage_clocks, bool stream_wait) {
         check_dims(dims);
-        if (proxy) create_proxy_rank_state(comm_id, ordinal, dims, timeout_s);
+        if (proxy) create_proxy_rank_state(comm_id, ordinal, dims, timeout_s, stream_wait);
         else create_rank_state(comm_id, ordinal, dims, chunks, timeout_s, stage_clocks);
       },
       nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("dims"), nb::arg("timeout_s"),
       nb::arg("proxy") = false, nb::arg("chunks") = 0, nb::arg("stage_clocks") = false,
+      nb::arg("stream_wait") = true,
       "Allocates the buffers of one rank of a CUDA communicator on local device `ordinal` "
       "(NVLink protocol of `chunks` token chunks, equal on every rank; with `stage_clocks` "
       "also the kernels' per-block stage timestamps); with `proxy`, the pinned staging and "
       "doorbell of its host proxy instead (the host rank state of the same ids then does the "
-      "exchange).");
+      "exchange; `stream_wait`: the stream waits for the proxy with stream memory operations, "
+      "else a kernel spins).");
   m.def(
       "cuda_stage_clocks",
       [](int64_t comm_id, int ordinal) -> nb::object {

@@ -48,6 +48,21 @@ void check_cuda(cudaError_t status, const char* what) {
     if (status_ != cudaSuccess) return status_; \
   } while (0)
 
+// The driver's cuStreamWaitValue32 (CUDA 12 ABI). Throws std::runtime_error.
+decltype(&cuStreamWaitValue32) stream_wait_entry() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault,
+                                       &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess || fn == nullptr) {
+    cudaGetLastError();
+    throw std::runtime_error(
+        "jax_moe cuda proxy: the CUDA driver has no cuStreamWaitValue32 for "
+        "JAX_MOE_PROXY_WAIT=stream; set JAX_MOE_PROXY_WAIT=kernel");
+  }
+  return reinterpret_cast<decltype(&cuStreamWaitValue32)>(fn);
+}
+
 }  // namespace
 
 CudaProxy::Areas CudaProxy::areas_for(const MoeDims& d) {
@@ -71,8 +86,9 @@ CudaProxy::Areas CudaProxy::areas_for(const MoeDims& d) {
   return a;
 }
 
-CudaProxy::CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns)
+CudaProxy::CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool stream_wait)
     : dims_(dims), ordinal_(ordinal), wait_ns_(wait_ns), areas_(areas_for(dims)) {
+  if (stream_wait) wait_value_ = stream_wait_entry();
   try {
     constexpr unsigned kMapped = cudaHostAllocMapped | cudaHostAllocPortable;
     check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&staging_), areas_.total, kMapped),
@@ -156,7 +172,18 @@ std::vector<ProxySample> CudaProxy::take_samples() {
 }
 
 cudaError_t CudaProxy::request(const CommView& v, uint32_t op, cudaStream_t stream) {
-  return launch_proxy_request(v, doorbell_device_, op, wait_ns_, stream);
+  JAX_MOE_RETURN_IF_ERROR(
+      launch_proxy_request(v, doorbell_device_, op, wait_ns_, wait_value_ == nullptr, stream));
+  if (wait_value_ == nullptr) return cudaSuccess;
+  // No timeout of its own: the proxy answers every request it saw, its waits bounded by the
+  // host exchange's timeout (failures included, control_->go then stays 0), and the ringing
+  // kernel leaves `answered` set when it rang nothing.
+  const CUresult status =
+      wait_value_(stream, reinterpret_cast<CUdeviceptr>(&doorbell_device_->answered), 1,
+                  CU_STREAM_WAIT_VALUE_EQ);
+  return status == CUDA_SUCCESS                ? cudaSuccess
+         : status == CUDA_ERROR_NOT_SUPPORTED ? cudaErrorNotSupported
+                                              : cudaErrorUnknown;
 }
 
 ProxyRowsView CudaProxy::rows_view(const CommView& v) const {
@@ -202,6 +229,7 @@ void CudaProxy::run() {
     }
     served = request >> 8;
     __atomic_store_n(&doorbell_->done, served, __ATOMIC_RELEASE);
+    __atomic_store_n(&doorbell_->answered, 1u, __ATOMIC_RELEASE);
     const int64_t finished = now_ns();
     last_request = Clock::now();
     const int64_t first_post = host_->first_post_ns;

@@ -16,6 +16,7 @@
 // can be captured into a command buffer.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -44,9 +45,10 @@ struct ProxySample {
 class CudaProxy {
  public:
   // Allocates the mapped staging, scratch and the doorbell for a rank of `dims` on device
-  // `ordinal` (current). A request waits at most `wait_ns` for the proxy. Throws
-  // std::runtime_error.
-  CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns);
+  // `ordinal` (current). With `stream_wait` the stream waits for each request with a stream
+  // memory operation (no spinning kernel; bounded by the proxy's own waits), else the ringing
+  // kernel spins for at most `wait_ns`. Throws std::runtime_error.
+  CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool stream_wait);
   ~CudaProxy();  // stops the thread, unregisters and frees the host memory
   CudaProxy(const CudaProxy&) = delete;
   CudaProxy& operator=(const CudaProxy&) = delete;
@@ -97,6 +99,9 @@ class CudaProxy {
   MoeDims dims_;
   int ordinal_;
   uint64_t wait_ns_;
+  // cuStreamWaitValue32 (the driver's, reached through the runtime: libcuda is not linked),
+  // when the stream waits for the proxy with a memory operation; null: the kernel spins.
+  decltype(&cuStreamWaitValue32) wait_value_ = nullptr;
   Areas areas_{};
   char* staging_ = nullptr;                  // mapped pinned host memory [areas_.total]
   char* staging_device_ = nullptr;           // the same, as the device addresses it

@@ -234,7 +234,8 @@ void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, 
   });
 }
 
-void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s) {
+void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s,
+                             bool stream_wait) {
   validate_dims(dims);
   check_timeout(timeout_s);
   // The host exchange of one request may wait twice (for the peers' acknowledgement, then
@@ -242,8 +243,9 @@ void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, 
   // peer's timeout is reported by the host exchange, naming the peer, and only a stuck proxy
   // by the stream's wait.
   const uint64_t wait_ns = static_cast<uint64_t>((3 * timeout_s + 1) * 1e9);
-  create_state(new_state(comm_id, ordinal, dims, timeout_s), [wait_ns](CudaRankState& s) {
-    s.proxy = std::make_unique<CudaProxy>(s.dims, s.ordinal, wait_ns);
+  create_state(new_state(comm_id, ordinal, dims, timeout_s),
+               [wait_ns, stream_wait](CudaRankState& s) {
+    s.proxy = std::make_unique<CudaProxy>(s.dims, s.ordinal, wait_ns, stream_wait);
   });
 }
 

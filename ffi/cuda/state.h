@@ -78,8 +78,10 @@ void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, int ch
 // The state of one rank of an AllReduce of messages up to max_bytes.
 void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, int64_t max_bytes,
                              double timeout_s);
-// The state of a rank whose exchanges go through its host proxy (ffi/cuda/host_proxy.h).
-void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s);
+// The state of a rank whose exchanges go through its host proxy (ffi/cuda/host_proxy.h);
+// `stream_wait`: the stream waits for the proxy with stream memory operations.
+void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s,
+                             bool stream_wait);
 // Starts the proxy of a rank made by create_proxy_rank_state, serving with the host rank
 // state of the same (comm id, ordinal), which must be connected; the rank is then connected.
 void start_rank_proxy(int64_t comm_id, int ordinal);

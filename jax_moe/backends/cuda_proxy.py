@@ -64,7 +64,8 @@ class ProxyRanks(RankStates):
     self._native = module
 
     def create(comm_id: int, ordinal: int, rank: int) -> None:
-      module.cuda_create_rank(comm_id=comm_id, ordinal=ordinal, proxy=True, **sizes(rank))
+      module.cuda_create_rank(comm_id=comm_id, ordinal=ordinal, proxy=True,
+                              stream_wait=settings.proxy_wait() == "stream", **sizes(rank))
       try:
         module.host_create_rank(comm_id=comm_id, ordinal=ordinal, **sizes(rank))
       except BaseException:
