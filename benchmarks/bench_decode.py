@@ -21,6 +21,7 @@ Writes <out>/decode_<device>.json and .png and prints a table last.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -111,6 +112,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--short-steps", type=int, default=4, help="decode steps of the short loop")
   p.add_argument("--prefill-calls", type=int, default=4,
                  help="prefills of the long timed loop (the short loop runs one)")
+  p.add_argument("--bf16-parity", action=argparse.BooleanOptionalAction, default=True,
+                 help="after the f32 twins' check, also record the bf16 models' logits gap "
+                      "(one more build and compile per backend; --no-bf16-parity saves them "
+                      "where a realistic shape must fit a time limit)")
   p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True,
                  help="profile a few decode steps: kernel time per stage (attention, router, "
                       "dispatch, experts, combine, ...) into the JSON and a stacked-bar PNG")
@@ -174,7 +179,10 @@ def _prompt(model, batch, prompt_len, seed):
 def check_backends(name, mesh, backends, args, batch) -> dict:
   """Prefill logits of each backend against the first: f32 exact twins, then the bf16 models."""
   parity = {"tolerance": PARITY_TOLERANCE, "reference_backend": backends[0]}
-  for dtype, wire, key in ((jnp.float32, "exact", "f32_exact"), (jnp.bfloat16, args.wire, "bf16")):
+  twins = [(jnp.float32, "exact", "f32_exact")]
+  if args.bf16_parity:
+    twins.append((jnp.bfloat16, args.wire, "bf16"))
+  for dtype, wire, key in twins:
     logits = {}
     # f32 twins at full matmul precision: at the default, XLA:GPU may pick TF32 for the dense
     # layers in one program and not in the other (suspected cause of a 3e-4 gap on 2xH200).
@@ -188,6 +196,7 @@ def check_backends(name, mesh, backends, args, batch) -> dict:
       model.pool.check()
       model.pool.close()
       del model  # before the next backend's twin is built: one model in HBM at a time
+      report.progress(f"{name} parity {key} {backend}: done")
     ref = logits[backends[0]]
     parity[key] = {b: float(np.abs(v - ref).max() / np.abs(ref).max()) for b, v in logits.items()}
   parity["ok"] = all(gap <= PARITY_TOLERANCE for gap in parity["f32_exact"].values())
@@ -256,7 +265,8 @@ def time_prefill(model, mesh, args, batch, state, ids, prefill, prefill_loop) ->
           "fraction_of_bf16_peak": None if peak is None else per_s / peak}
 
 
-def time_model(name, mesh, backend, args, batch, read, prefill_may_fail=False) -> dict:
+def time_model(name, mesh, backend, args, batch, read, prefill_may_fail=False,
+               label=None) -> dict:
   """Prefill and decode of one model. With `prefill_may_fail`, a prefill that runs out of
   memory is recorded as such and the decode starts from an empty cache (a step reads the
   whole cache, masked, so it costs the same at any position)."""
@@ -267,17 +277,23 @@ def time_model(name, mesh, backend, args, batch, read, prefill_may_fail=False) -
   max_len = args.prompt_len + args.steps + 1
   state, prefill, prefill_loop, decode, empty_cache = decode_program(model, batch,
                                                                      args.prompt_len, max_len)
+  label = label or f"{name} b{batch} {backend}"
+  report.progress(f"{label}: built")
   try:
     token_b, cache = jax.block_until_ready(prefill(state, ids))
+    report.progress(f"{label}: prefill compiled and run")
     prefill_result = time_prefill(model, mesh, args, batch, state, ids, prefill, prefill_loop)
+    report.progress(f"{label}: prefill timed")
   except Exception as e:  # noqa: BLE001 - only running out of memory is a result
     if not (prefill_may_fail and out_of_memory(e)):
       raise
     prefill_result = {"status": "out of memory", "reason": str(e).splitlines()[0]}
     token_b, cache = ids[:, -1], jax.block_until_ready(empty_cache(state))
   jax.block_until_ready(decode(state, token_b, cache, 1))  # compile
+  report.progress(f"{label}: decode compiled")
   timing, _ = time_per_iteration(lambda n: decode(state, token_b, cache, n), args.short_steps,
                                  args.steps, args.reps, args.budget_s)
+  report.progress(f"{label}: decode timed, {timing['median_us']:.1f} us a step")
   # What one step reads at least once per rank: its weights and its whole KV cache (the
   # attention reads every position of the cache, masked). Of an untied embedding table a step
   # reads only its batch's rows, not the table.
@@ -297,9 +313,10 @@ def time_model(name, mesh, backend, args, batch, read, prefill_may_fail=False) -
     compiled = profiled.lower(state, token_b, cache, n).compile()
     stages = stage_profile.profile_stages(lambda: profiled(state, token_b, cache, n), compiled, n)
     stages["gaps_us"] = timing["median_us"] - stages["total_us"]  # the step not in a kernel
+    report.progress(f"{label}: stages profiled")
   model.pool.check()
   model.pool.close()
-  return {"label": f"{name} b{batch} {backend}", "model": name, "backend": backend,
+  return {"label": label, "model": name, "backend": backend,
           "batch": batch, "status": "ok", "family": "jax_moe", "time": timing,
           "prefill": prefill_result, "floor": floor, "stages": stages,
           "decode_tokens_per_s": batch / (timing["median_us"] * 1e-6),
@@ -313,7 +330,8 @@ def time_jax_user_peer(name, mesh, args, batch, read) -> dict:
   label = f"{name} b{batch} xla+lax.ragged_dot"
   saved, moe.GEMM_IMPLEMENTATION = moe.GEMM_IMPLEMENTATION, "lax"
   try:
-    result = time_model(name, mesh, "xla", args, batch, read, prefill_may_fail=True)
+    result = time_model(name, mesh, "xla", args, batch, read, prefill_may_fail=True,
+                        label=label)
   except Exception as e:  # noqa: BLE001 - only running out of memory is a result
     if not out_of_memory(e):
       raise
@@ -460,6 +478,25 @@ def main(argv=None) -> int:
     print(f"read bandwidth {read['tb_per_s']:.2f} TB/s ({read['method']}); copy "
           f"{copy['tb_per_s']:.2f} TB/s read + written ({copy['method']})")
   results, parity = [], {}
+  stem = args.out / f"decode_{device_slug(mesh)}"
+
+  def payload() -> dict:
+    return {
+        "benchmark": "decode",
+        "environment": provenance(mesh, args.git_commit),
+        "config": {"batch": batches, "prompt_len": args.prompt_len, "wire": args.wire,
+                   "expert_weights": args.expert_weights,
+                   "overlap_shared_experts": args.overlap_shared_experts,
+                   "dtype": "bfloat16", "backends": backends, "seed": args.seed,
+                   "models": {name: model_config(name, args.layers) for name in args.models}},
+        "read_bandwidth": read,
+        "copy_bandwidth": copy,
+        "grouped_gemm": {"implementation": moe.GEMM_IMPLEMENTATION,
+                         "tokamax": tokamax_ok, "status": gemm},
+        "parity": parity,
+        "results": results,
+    }
+
   for name in args.models:
     try:
       parity[name] = check_backends(name, mesh, backends, args, batches[0])
@@ -471,31 +508,21 @@ def main(argv=None) -> int:
                       "reason": f"backends disagree: {parity[name]['f32_exact']}"})
       continue
     for batch in batches:
-      row = [time_model(name, mesh, backend, args, batch, read) for backend in backends]
+      row = []
+      timed = [functools.partial(time_model, name, mesh, backend) for backend in backends]
       if args.jax_user_peer and tokamax_ok:
-        row.append(time_jax_user_peer(name, mesh, args, batch, read))
-      compare_with_peer(row)
-      results += row
-  payload = {
-      "benchmark": "decode",
-      "environment": provenance(mesh, args.git_commit),
-      "config": {"batch": batches, "prompt_len": args.prompt_len, "wire": args.wire,
-                 "expert_weights": args.expert_weights,
-                 "overlap_shared_experts": args.overlap_shared_experts,
-                 "dtype": "bfloat16", "backends": backends, "seed": args.seed,
-                 "models": {name: model_config(name, args.layers) for name in args.models}},
-      "read_bandwidth": read,
-      "copy_bandwidth": copy,
-      "grouped_gemm": {"implementation": moe.GEMM_IMPLEMENTATION,
-                       "tokamax": tokamax_ok, "status": gemm},
-      "parity": parity,
-      "results": results,
-  }
-  stem = args.out / f"decode_{device_slug(mesh)}"
-  report.write_json(stem.with_suffix(".json"), payload)
-  plotted = plot(payload, stem.with_suffix(".png"))
+        timed.append(functools.partial(time_jax_user_peer, name, mesh))
+      for time_one in timed:
+        row.append(time_one(args, batch, read))
+        results.append(row[-1])
+        compare_with_peer(row)
+        # after every result, so a run cut short by its time limit keeps what it measured
+        report.write_json(stem.with_suffix(".json"), payload())
+  final = payload()
+  report.write_json(stem.with_suffix(".json"), final)
+  plotted = plot(final, stem.with_suffix(".png"))
   stages_png = stem.with_name(stem.name + "_stages.png")
-  staged = plot_stages(payload, stages_png)
+  staged = plot_stages(final, stages_png)
   print(f"wrote {stem}.json" + (" and .png" if plotted else "") +
         (f", {stages_png.name}" if staged else ""))
   print(_table(results))

@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
+
+_STARTED = time.perf_counter()
+
+
+def progress(message: str) -> None:
+  """One line on stderr with the seconds since the benchmark started, flushed at once: a run
+  killed by its time limit still shows how far it got and what each part cost."""
+  print(f"[{time.perf_counter() - _STARTED:8.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def write_json(path: Path, payload: dict) -> None:

@@ -163,3 +163,45 @@ def test_bench_decode_times_decode_when_the_peers_prefill_runs_out_of_memory(mon
   assert result["time"]["median_us"] > 0 and result["decode_tokens_per_s"] > 0
   with pytest.raises(jax.errors.JaxRuntimeError):  # elsewhere it is not a result
     bench_decode.time_model("tiny-qwen3-moe", mesh, "xla", args, 4, None)
+
+
+def test_bench_decode_keeps_each_result_when_a_later_one_fails(tmp_path, monkeypatch, capsys):
+  """A run cut short (here the second backend raises) leaves every result measured before it
+  in the JSON, with progress lines on stderr; --no-bf16-parity checks the f32 twins only."""
+  from benchmarks import bench_decode
+
+  real = bench_decode.time_model
+
+  def second_backend_fails(name, mesh, backend, *a, **kw):
+    if backend == "xla-second":
+      raise RuntimeError("the test's time limit")
+    return real(name, mesh, backend, *a, **kw)
+
+  monkeypatch.setattr(bench_decode, "time_model", second_backend_fails)
+  monkeypatch.setattr(bench_decode.jm, "available_backends", lambda: ["xla", "xla-second"])
+  monkeypatch.setattr(bench_decode, "check_backends", lambda name, mesh, backends, args, batch:
+                      {"ok": True, "backends": backends, "bf16_parity": args.bf16_parity})
+  with pytest.raises(RuntimeError, match="time limit"):
+    bench_decode.main(["--models", "tiny-qwen3-moe", "--batch", "4", "--prompt-len", "3",
+                       "--steps", "4", "--short-steps", "1", "--reps", "1", "--copy-mib", "0",
+                       "--ep", "2", "--no-stages", "--no-bf16-parity", "--out", str(tmp_path)])
+  payload = json.loads((tmp_path / "decode_cpu-x2.json").read_text())
+  assert [r["label"] for r in payload["results"]] == ["tiny-qwen3-moe b4 xla"]
+  assert payload["results"][0]["time"]["median_us"] > 0
+  assert payload["parity"]["tiny-qwen3-moe"]["bf16_parity"] is False
+  err = capsys.readouterr().err
+  assert "tiny-qwen3-moe b4 xla: decode timed" in err and " s] " in err
+
+
+def test_bench_decode_f32_parity_without_the_bf16_twins():
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh
+
+  from benchmarks import bench_decode
+
+  mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+  args = bench_decode.parse_args(["--prompt-len", "3", "--no-bf16-parity"])
+  parity = bench_decode.check_backends("tiny-qwen3-moe", mesh, ["xla", "xla"], args, 4)
+  assert parity["ok"] and set(parity) == {"tolerance", "reference_backend", "f32_exact", "ok"}
+  assert parity["f32_exact"] == {"xla": 0.0}
