@@ -38,6 +38,7 @@ Writes <out>/host_remote_<host>.json and .png and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -54,7 +55,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `jax_moe
 from benchmarks import report  # noqa: E402
 from benchmarks.arguments import csv_list, phases  # noqa: E402
 from benchmarks.environment import _git  # noqa: E402
-from benchmarks.processes import free_loopback_port, wait_all  # noqa: E402
+from benchmarks.processes import free_loopback_port, private_mps, wait_all  # noqa: E402
 
 WORKER = Path(__file__).with_name("host_remote_worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--gpus", type=int, default=2,
                  help="--platform cuda: GPUs the processes are spread over (1: both share "
                       "GPU 0; then pass --no-nvlink)")
+  p.add_argument("--mps", action="store_true",
+                 help="--platform cuda --gpus 1: the two processes are clients of a CUDA MPS "
+                      "daemon this run starts (private pipe folder, quit at the end), so their "
+                      "kernels share the GPU at once instead of in time slices; tells apart "
+                      "what the proxy path costs from what sharing one GPU costs")
   p.add_argument("--hidden", type=int, default=7168)
   p.add_argument("--experts", type=int, default=256)
   p.add_argument("--topk", type=int, default=8)
@@ -121,19 +127,23 @@ def parse_args(argv=None) -> argparse.Namespace:
   for name in ("providers", "dispatch_dtypes", "reduce", "ops"):
     if not getattr(args, name):
       p.error(f"--{name.replace('_', '-')} must name at least one")
+  if args.mps and (args.platform != "cuda" or args.gpus != 1):
+    p.error(f"--mps needs --platform cuda --gpus 1, got --platform {args.platform} "
+            f"--gpus {args.gpus}")
   if "fused" not in args.ops:
     p.error("--ops must include fused (it is the op checked against the reference)")
   return args
 
 
-def run_provider(provider: str, config: dict, args, folder: Path) -> list[list[dict]]:
-  """Starts the two workers for `provider`; returns each one's records or raises with the
-  workers' errors."""
+def run_provider(provider: str, config: dict, args, folder: Path,
+                 extra_env: dict | None = None) -> list[list[dict]]:
+  """Starts the two workers for `provider` (with `extra_env` added to their environment);
+  returns each one's records or raises with the workers' errors."""
   config_path = folder / "config.json"
   config_path.write_text(json.dumps(config))
   port = free_loopback_port()
   env = dict(os.environ, JAX_MOE_HOST_PROVIDER=provider, JAX_MOE_HOST_NODE=PROVIDERS[provider],
-             JAX_MOE_TIMEOUT_S=str(args.timeout_s), PYTHONUNBUFFERED="1")
+             JAX_MOE_TIMEOUT_S=str(args.timeout_s), PYTHONUNBUFFERED="1", **(extra_env or {}))
   results = [folder / f"result{i}.json" for i in range(2)]
   workers = [subprocess.Popen([sys.executable, str(WORKER), str(config_path), str(i), str(port),
                                str(results[i])], cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL)
@@ -284,13 +294,14 @@ def main(argv=None) -> int:
             "platform": args.platform, "backend": BACKENDS[args.platform], "gpus": args.gpus,
             "others": (["cuda"] if args.platform == "cuda" and not args.no_nvlink else [])
             + ([] if args.no_xla else ["xla"]),
-            "pin": args.platform == "cpu" and not args.no_pin}
+            "pin": args.platform == "cpu" and not args.no_pin, "mps": args.mps}
   rows, failures, per_provider = [], [], {}
   for provider in args.providers:
     print(f"== {provider}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_host_remote_") as folder:
       try:
-        per_process = run_provider(provider, config, args, Path(folder))
+        with (private_mps(Path(folder)) if args.mps else contextlib.nullcontext({})) as mps_env:
+          per_process = run_provider(provider, config, args, Path(folder), mps_env)
       except RuntimeError as e:
         failures.append(str(e))
         continue

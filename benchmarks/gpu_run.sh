@@ -20,6 +20,9 @@
 #   ep1_cmdbuf  the ep1 decode benchmark (expert mode, bf16 partials) with XLA command buffers
 #            forced on for fusions and custom calls: the launch gaps between a step's kernels
 #            are most of a decode step (docs/perf-notes.md); file suffix -cmdbuf
+#   proxy1   bench_host_remote.py --platform cuda --gpus 1 (2 processes share GPU 0 through their
+#            host proxies, shm, decode fp8 expert): once time-sliced, once as clients of a
+#            private MPS daemon (--mps): what the proxy path costs apart from sharing one GPU
 #   models_mp  tests/gpu/test_models_multiprocess.py: jax-moe generate with the cuda backend on 2
 #            processes sharing GPU 0 (CUDA IPC, forced through the host proxies, --tp 2) gives
 #            one process's tokens; tokens/s per path in the log (issues 15 and 19)
@@ -123,6 +126,16 @@ for step in "${steps[@]}"; do
       echo "bench ep1 cmdbuf: rc=$?"
       tail -14 "$logs/bench_ep1_cmdbuf.log" ;;
     models_mp) suite models_multiprocess 420 -s -rs tests/gpu/test_models_multiprocess.py ;;
+    proxy1)
+      for mps in "" --mps; do
+        timeout -s KILL 150 python3 benchmarks/bench_host_remote.py --platform cuda --gpus 1 \
+          --no-xla --no-nvlink --providers shm --dispatch-dtypes fp8 --reduce expert \
+          --partial-dtype bf16 --phases decode=128 --reps 3 --iters 10 --short-iters 2 $mps \
+          --git-commit "${GIT_COMMIT:-unknown}" --out "$logs/proxy1${mps:+-mps}" \
+          > "$logs/proxy1${mps:+-mps}.log" 2>&1
+        echo "proxy1 ${mps:-time-sliced}: rc=$?"
+        grep -E "^shm|Error|error" "$logs/proxy1${mps:+-mps}.log" | head -6
+      done ;;
     misuse)
       suite misuse_gpu 120 tests/test_misuse.py
       timeout -s KILL 120 python3 benchmarks/soak.py --backends cuda,xla --seconds 60 --iterations 1000000 \

@@ -143,3 +143,52 @@ def test_bench_host_remote_runs_checks_and_writes_results(tmp_path):
         for record in process:
             assert record["jax_moe"]["fused"]["correctness"]["passed"]
     assert "fused/same" in done.stdout
+
+
+def _fake_mps_control(folder: Path, exit_code: int = 0) -> Path:
+    """A stand-in nvidia-cuda-mps-control on PATH: it logs its argument, stdin and MPS folders."""
+    bin_dir = folder / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "nvidia-cuda-mps-control"
+    script.write_text("#!/bin/sh\n"
+                      f'echo "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY" >> "{folder}/calls"\n'
+                      f'[ -z "$1" ] && cat >> "{folder}/calls"\n'
+                      f"exit {exit_code}\n")
+    script.chmod(0o755)
+    return bin_dir
+
+
+def test_private_mps_starts_a_daemon_of_its_own_folder_and_quits_it(tmp_path, monkeypatch):
+    from benchmarks.processes import private_mps
+
+    monkeypatch.setenv("PATH", f"{_fake_mps_control(tmp_path)}:{os.environ['PATH']}")
+    with private_mps(tmp_path / "run") as env:
+        assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "run" / "mps_pipe")
+        assert Path(env["CUDA_MPS_LOG_DIRECTORY"]).is_dir()
+        assert (tmp_path / "calls").read_text().splitlines() == [
+            f"args=-d pipe={tmp_path / 'run' / 'mps_pipe'}"]
+    assert (tmp_path / "calls").read_text().splitlines()[1:] == [
+        f"args= pipe={tmp_path / 'run' / 'mps_pipe'}", "quit"]
+
+
+def test_private_mps_reports_a_daemon_that_does_not_start(tmp_path, monkeypatch):
+    from benchmarks.processes import private_mps
+
+    monkeypatch.setenv("PATH", f"{_fake_mps_control(tmp_path, exit_code=3)}:/usr/bin:/bin")
+    with pytest.raises(RuntimeError, match="--mps: nvidia-cuda-mps-control -d exited 3"):
+        with private_mps(tmp_path / "run"):
+            pass
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    with pytest.raises(RuntimeError, match="not on PATH"):
+        with private_mps(tmp_path / "run"):
+            pass
+
+
+def test_mps_needs_the_cuda_platform_on_one_gpu(capsys):
+    from benchmarks import bench_host_remote
+
+    for argv in (["--mps"], ["--mps", "--platform", "cuda", "--gpus", "2"]):
+        with pytest.raises(SystemExit):
+            bench_host_remote.parse_args(argv)
+        assert "--mps needs --platform cuda --gpus 1" in capsys.readouterr().err
+    assert bench_host_remote.parse_args(["--mps", "--platform", "cuda", "--gpus", "1"]).mps
