@@ -88,7 +88,7 @@ for r in d['results']: print(r['label'], json.dumps(r.get('stages'))[:600])" \
       # rewritten after every result and the log has a line per part with its time
       step bench_decode_realistic 500 python3 benchmarks/bench_decode.py \
         --models "${REALISTIC_MODELS:-dsv3-ep8-share,qwen3-235b-shape}" --batch 128 \
-        --backends xla,cuda --reps 3 --no-bf16-parity \
+        --backends xla,cuda --reps 3 --no-bf16-parity --parity-layers 1 \
         --budget-s 3 --out "$logs/results-realistic" --git-commit "${GIT_COMMIT:-unknown}"
       tail -8 "$logs/bench_decode_realistic.log" ;;
     *) echo "unknown step $s"; exit 2 ;;

@@ -193,7 +193,7 @@ def test_bench_decode_keeps_each_result_when_a_later_one_fails(tmp_path, monkeyp
   assert "tiny-qwen3-moe b4 xla: decode timed" in err and " s] " in err
 
 
-def test_bench_decode_f32_parity_without_the_bf16_twins():
+def test_bench_decode_f32_parity_of_one_layer_without_the_bf16_twins():
   import jax
   import numpy as np
   from jax.sharding import Mesh
@@ -201,7 +201,10 @@ def test_bench_decode_f32_parity_without_the_bf16_twins():
   from benchmarks import bench_decode
 
   mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
-  args = bench_decode.parse_args(["--prompt-len", "3", "--no-bf16-parity"])
+  args = bench_decode.parse_args(["--prompt-len", "3", "--no-bf16-parity", "--layers", "3",
+                                  "--parity-layers", "1"])
   parity = bench_decode.check_backends("tiny-qwen3-moe", mesh, ["xla", "xla"], args, 4)
-  assert parity["ok"] and set(parity) == {"tolerance", "reference_backend", "f32_exact", "ok"}
-  assert parity["f32_exact"] == {"xla": 0.0}
+  assert parity["ok"] and parity["layers"] == 1 and parity["f32_exact"] == {"xla": 0.0}
+  assert set(parity) == {"tolerance", "reference_backend", "layers", "f32_exact", "ok"}
+  with pytest.raises(SystemExit):
+    bench_decode.parse_args(["--parity-layers", "0"])
