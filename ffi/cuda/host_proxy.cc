@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "ffi/cuda/driver.h"
 #include "ffi/host/exchange.h"
 #include "ffi/host/state.h"
 
@@ -50,12 +51,8 @@ void check_cuda(cudaError_t status, const char* what) {
 
 // The driver's cuStreamWaitValue32 (CUDA 12 ABI). Throws std::runtime_error.
 decltype(&cuStreamWaitValue32) stream_wait_entry() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault,
-                                       &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess || fn == nullptr) {
-    cudaGetLastError();
+  void* fn = driver_entry_point("cuStreamWaitValue32", 12000);
+  if (fn == nullptr) {
     throw std::runtime_error(
         "jax_moe cuda proxy: the CUDA driver has no cuStreamWaitValue32 for "
         "JAX_MOE_PROXY_WAIT=stream; set JAX_MOE_PROXY_WAIT=kernel");
