@@ -77,10 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="--platform cuda: GPUs the processes are spread over (1: both share "
                       "GPU 0; then pass --no-nvlink)")
   p.add_argument("--mps", action="store_true",
-                 help="--platform cuda --gpus 1: the two processes are clients of a CUDA MPS "
-                      "daemon this run starts (private pipe folder, quit at the end), so their "
-                      "kernels share the GPU at once instead of in time slices; tells apart "
-                      "what the proxy path costs from what sharing one GPU costs")
+                 help="--platform cuda --gpus 1 --no-nvlink: the two processes are clients of "
+                      "a CUDA MPS daemon this run starts (private pipe folder, quit at the end), "
+                      "so their kernels share the GPU at once instead of in time slices; tells "
+                      "apart what the proxy path costs from what sharing one GPU costs")
   p.add_argument("--hidden", type=int, default=7168)
   p.add_argument("--experts", type=int, default=256)
   p.add_argument("--topk", type=int, default=8)
@@ -127,9 +127,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   for name in ("providers", "dispatch_dtypes", "reduce", "ops"):
     if not getattr(args, name):
       p.error(f"--{name.replace('_', '-')} must name at least one")
-  if args.mps and (args.platform != "cuda" or args.gpus != 1):
-    p.error(f"--mps needs --platform cuda --gpus 1, got --platform {args.platform} "
-            f"--gpus {args.gpus}")
+  if args.mps and (args.platform != "cuda" or args.gpus != 1 or not args.no_nvlink):
+    # The NVLink kernels of the two processes spin on each other with a block on every SM:
+    # side by side under MPS one launch can hold every SM while the other waits to start.
+    p.error(f"--mps needs --platform cuda --gpus 1 --no-nvlink, got --platform "
+            f"{args.platform} --gpus {args.gpus}" + ("" if args.no_nvlink else " (NVLink on)"))
   if "fused" not in args.ops:
     p.error("--ops must include fused (it is the op checked against the reference)")
   return args

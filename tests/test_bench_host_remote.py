@@ -184,11 +184,13 @@ def test_private_mps_reports_a_daemon_that_does_not_start(tmp_path, monkeypatch)
             pass
 
 
-def test_mps_needs_the_cuda_platform_on_one_gpu(capsys):
+def test_mps_needs_the_cuda_platform_on_one_gpu_without_nvlink(capsys):
     from benchmarks import bench_host_remote
 
-    for argv in (["--mps"], ["--mps", "--platform", "cuda", "--gpus", "2"]):
+    one_gpu = ["--mps", "--platform", "cuda", "--gpus", "1"]
+    for argv in (["--mps", "--no-nvlink"], ["--mps", "--platform", "cuda", "--gpus", "2",
+                                            "--no-nvlink"], one_gpu):
         with pytest.raises(SystemExit):
             bench_host_remote.parse_args(argv)
-        assert "--mps needs --platform cuda --gpus 1" in capsys.readouterr().err
-    assert bench_host_remote.parse_args(["--mps", "--platform", "cuda", "--gpus", "1"]).mps
+        assert "--mps needs --platform cuda --gpus 1 --no-nvlink" in capsys.readouterr().err
+    assert bench_host_remote.parse_args([*one_gpu, "--no-nvlink"]).mps
