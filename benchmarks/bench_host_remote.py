@@ -213,6 +213,22 @@ def _first_post_us(row: dict) -> float | None:
   return None if any(v is None for v in values) else max(values)
 
 
+def proxy_phases(rows: list[dict]) -> str:
+  """Per row, where a proxy exchange's time goes, request by request (each process's proxy,
+  medians): the GPU's part before the request (previous answer -> this doorbell) and the
+  proxy's own (doorbell -> answer)."""
+  lines = []
+  for r in rows:
+    for i, requests in enumerate(r.get("proxy") or []):
+      if not requests:
+        continue
+      cells = [f"{op} {p['since_answer_us'] or 0:.0f}+{p['serve_us']:.0f}"
+               for op, p in requests.items()]
+      lines.append(f"{r['provider']} {r['phase']} process {i}, us GPU before + proxy: "
+                   + ", ".join(cells))
+  return "\n".join(lines)
+
+
 def table(rows: list[dict], failures: list[str]) -> str:
   f = lambda v, spec=".0f": "-" if v is None else format(v, spec)  # noqa: E731
   header = (f"{'provider':12} {'phase':8} {'dtype':5} {'reduce':6} {'MB 0>1':>7} {'writes':>6} "
@@ -337,6 +353,8 @@ def main(argv=None) -> int:
   report.write_json(stem.with_suffix(".json"), payload)
   plotted = plot(payload, stem.with_suffix(".png"))
   print(table(rows, failures))
+  if args.platform == "cuda":
+    print(proxy_phases(rows))
   print(f"wrote {stem}.json" + (" and .png" if plotted else ""))
   return 0 if not failures and all(r["correct"] for r in rows) else 1
 

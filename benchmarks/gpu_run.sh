@@ -145,7 +145,7 @@ for step in "${steps[@]}"; do
           --git-commit "${GIT_COMMIT:-unknown}" --out "$logs/proxy1${mps:+-mps}" \
           > "$logs/proxy1${mps:+-mps}.log" 2>&1
         echo "proxy1 ${mps:-time-sliced}: rc=$?"
-        grep -E "^shm|Error|error" "$logs/proxy1${mps:+-mps}.log" | head -6
+        grep -E "^shm|Error|error" "$logs/proxy1${mps:+-mps}.log" | cut -c1-600 | head -8
       done ;;
     misuse)
       suite misuse_gpu 120 tests/test_misuse.py

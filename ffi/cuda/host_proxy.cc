@@ -25,6 +25,24 @@ enum ProxyOp : uint32_t {
   kOpCombineRecvEnd = 8,   // acknowledge
 };
 
+}  // namespace
+
+const char* proxy_op_name(uint32_t op) {
+  switch (op) {
+    case kOpDispatchSend: return "dispatch_send.begin";
+    case kOpDispatchSendEnd: return "dispatch_send.end";
+    case kOpDispatchRecv: return "dispatch_recv.begin";
+    case kOpDispatchRecvEnd: return "dispatch_recv.end";
+    case kOpCombineSend: return "combine_send.begin";
+    case kOpCombineSendEnd: return "combine_send.end";
+    case kOpCombineRecv: return "combine_recv.begin";
+    case kOpCombineRecvEnd: return "combine_recv.end";
+    default: return "unknown";
+  }
+}
+
+namespace {
+
 using Clock = std::chrono::steady_clock;
 // After a request the thread polls without pausing for this long (the next layer's request
 // usually follows within it), then sleeps between polls so an idle proxy leaves its core.
@@ -202,6 +220,7 @@ ProxyRowsView CudaProxy::rows_view(const CommView& v) const {
 
 void CudaProxy::run() {
   uint64_t served = 0;
+  int64_t answered_at = -1;
   auto last_request = Clock::now();
   while (!stop_.load(std::memory_order_relaxed)) {
     const uint64_t request = __atomic_load_n(&doorbell_->request, __ATOMIC_ACQUIRE);
@@ -232,7 +251,9 @@ void CudaProxy::run() {
     const int64_t first_post = host_->first_post_ns;
     std::lock_guard<std::mutex> lock(samples_mutex_);
     if (samples_.size() < kMaxSamples)
-      samples_.push_back({op, first_post ? first_post - seen : -1, finished - seen});
+      samples_.push_back({op, first_post ? first_post - seen : -1, finished - seen,
+                          answered_at < 0 ? -1 : seen - answered_at});
+    answered_at = finished;
   }
 }
 
