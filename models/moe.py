@@ -126,8 +126,9 @@ class CommunicatorPool:
   Layers register the config template of their exchange (`register`); `prepare(num_tokens,
   slots)` builds the communicators for a call with `num_tokens` tokens in total, one per slot
   (a micro-batch whose halves are in flight while another's run: its own buffers and call
-  order); `get(cfg, tracing, slot)` returns one, building it when not inside a trace. `tp_sum(x)` sums tensor-parallel partial results.
-  Hashable by identity, so models keep it as a static attribute.
+  order); `get(cfg, tracing, slot)` returns one, building it when not inside a trace.
+  `tp_sum(x)` sums tensor-parallel partial results. Hashable by identity, so models keep it
+  as a static attribute.
   """
 
   def __init__(self, rules: ShardingRules, backend: str = "auto"):
