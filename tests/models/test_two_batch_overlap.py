@@ -115,3 +115,19 @@ def test_a_batch_that_does_not_split_runs_as_one(rng, ep_mesh):
     np.testing.assert_array_equal(np.asarray(models.forward(model, ids)),
                                   np.asarray(models.forward(one, ids)))
     assert {slot for _, slot in model.pool._comms} == {0}
+
+
+def test_generate_and_bench_decode_flags_reach_the_model(ep_mesh):
+    from benchmarks import bench_decode
+    from jax_moe import cli
+    from jax_moe.cli import generate
+
+    for flags, want in (([], False), (["--two-batch-overlap"], True)):
+        args = cli._parser().parse_args(["generate", "--model", "tiny-qwen3-moe", "--backend",
+                                         "xla", *flags])
+        model, _ = generate._build_model(args, None, ep_mesh)
+        assert model.two_batch_overlap is want
+        bench_args = bench_decode.parse_args(flags)
+        model = bench_decode._build("tiny-qwen3-moe", ep_mesh, "xla", jnp.float32, "exact", 0,
+                                    two_batch_overlap=bench_args.two_batch_overlap)
+        assert model.two_batch_overlap is want
