@@ -4,6 +4,10 @@ Each stage's ops run under `jax.named_scope(stage)`, so every HLO instruction's 
 metadata carries the stage's name as one of its path components; a profile then charges each
 kernel to the innermost stage in its op_name (benchmarks/stage_profile.py), and what carries
 none is "other" (norms, residual adds, embedding, LM head, sampling, the loop itself).
+
+A layer runs its stages as a generator (`pre_norm_residual`): a MoE block may yield its
+pending dispatch between the halves, so a driver (models.two_batch) runs other work there;
+`finish` runs one that yields nothing to its end.
 """
 
 import jax
