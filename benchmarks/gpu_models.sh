@@ -85,11 +85,13 @@ for r in d['results']: print(r['label'], json.dumps(r.get('stages'))[:600])" \
     realistic)  # issue 16's shapes at batch 128 (needs tokamax: lax.ragged_dot runs out of HBM);
       # REALISTIC_MODELS picks some of them, so one model fits a 10-minute call (on 2026-12-02
       # dsv3-ep8-share with xla, cuda and the peer did not finish in 330 s); the JSON is
-      # rewritten after every result and the log has a line per part with its time
-      step bench_decode_realistic 500 python3 benchmarks/bench_decode.py \
+      # rewritten after every result and the log has a line per part with its time;
+      # REALISTIC_S sets the step's limit (default 500 s), REALISTIC_ARGS adds arguments
+      step bench_decode_realistic "${REALISTIC_S:-500}" python3 benchmarks/bench_decode.py \
         --models "${REALISTIC_MODELS:-dsv3-ep8-share,qwen3-235b-shape}" --batch 128 \
         --backends xla,cuda --reps 3 --no-bf16-parity --parity-layers 1 \
-        --budget-s 3 --out "$logs/results-realistic" --git-commit "${GIT_COMMIT:-unknown}"
+        --budget-s 3 --out "$logs/results-realistic" --git-commit "${GIT_COMMIT:-unknown}" \
+        ${REALISTIC_ARGS:-}
       tail -8 "$logs/bench_decode_realistic.log" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac

@@ -140,11 +140,12 @@ def jit_for_profile(jitted):
   return jax.jit(jitted.__wrapped__, compiler_options=options)
 
 
-def profile_stages(run, compiled, steps: int) -> dict:
+def profile_stages(run, compiled, steps: int, top_n: int = 6) -> dict:
   """Traces `run()` (which must run `compiled`, `steps` steps) and returns the device time
   per step by stage, averaged over the devices: {"stages_us": {stage: us}, "total_us",
   "unmatched_us" (events whose instruction the module's text does not name), "unmatched_top"
-  (the largest of those: [instruction, us per step]), "devices"}."""
+  (the largest of those: [instruction, us per step]), "top_by_stage" (each stage's largest
+  events, [instruction, us per step, events per step]: what limits the stage), "devices"}."""
   text = compiled.as_text()
   module = re.search(r"^HloModule ([\w.\-]+)", text, re.M).group(1)
   by_name = instruction_stages(text)
@@ -153,15 +154,21 @@ def profile_stages(run, compiled, steps: int) -> dict:
   devices = max(1, len({device for device, _, _ in events}))
   totals = collections.Counter()
   unmatched = collections.Counter()
+  by_op = collections.defaultdict(collections.Counter)  # stage -> instruction -> ns
+  count = collections.Counter()  # (stage, instruction) -> events
   for _, op, ns in events:
     matched, stage = event_stage(op, by_name, by_kernel)
     if not matched:
       unmatched[op] += ns
     if stage is not None:
       totals[stage] += ns
+      by_op[stage][op] += ns
+      count[stage, op] += 1
   scale = 1e-3 / (steps * devices)
   per_stage = {s: totals.get(s, 0) * scale for s in (*stages.STAGES, stages.OTHER)}
+  top = {s: [[op, ns * scale, count[s, op] / (steps * devices)]
+             for op, ns in by_op[s].most_common(top_n)] for s in per_stage if by_op[s]}
   return {"stages_us": per_stage, "total_us": sum(per_stage.values()),
           "unmatched_us": sum(unmatched.values()) * scale,
           "unmatched_top": [[op, ns * scale] for op, ns in unmatched.most_common(8)],
-          "devices": devices, "module": module}
+          "top_by_stage": top, "devices": devices, "module": module}

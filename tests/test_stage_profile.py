@@ -68,6 +68,11 @@ def test_a_cpu_trace_is_charged_to_the_scoped_stages():
     assert per_stage["router"] == per_stage["combine"] == 0
     assert got["unmatched_us"] == 0 and got["devices"] == 1
     assert abs(got["total_us"] - sum(per_stage.values())) < 1e-6
+    top = got["top_by_stage"]
+    assert {"attention", "experts"} <= set(top) <= {"attention", "experts", "other"}
+    for stage, rows in top.items():  # each stage's largest events sum to at most its time
+        assert 0 < sum(us for _, us, _ in rows) <= per_stage[stage] + 1e-6
+        assert all(per_step > 0 for _, _, per_step in rows)
 
 
 def test_gpu_events_are_named_by_instruction_kernel_or_project_kernel():
