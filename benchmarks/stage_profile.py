@@ -140,7 +140,7 @@ def jit_for_profile(jitted):
   return jax.jit(jitted.__wrapped__, compiler_options=options)
 
 
-def profile_stages(run, compiled, steps: int, top_n: int = 6) -> dict:
+def profile_stages(run, compiled, steps: int, top_n: int = 12) -> dict:
   """Traces `run()` (which must run `compiled`, `steps` steps) and returns the device time
   per step by stage, averaged over the devices: {"stages_us": {stage: us}, "total_us",
   "unmatched_us" (events whose instruction the module's text does not name), "unmatched_top"

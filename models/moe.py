@@ -339,22 +339,24 @@ class RoutedExperts(nnx.Module):
     return built
 
   @staticmethod
-  def _experts(rows, group_sizes, w_gate, w_up, w_down, precision):
+  def _experts(rows, group_sizes, w_gate, w_up, w_down, precision, out_dtype):
     """SwiGLU of each row with its local expert: grouped GEMMs over the dispatched layout,
     the hidden activation rounded to the rows' dtype (arrays or BlockFp8Weights; a shard's
-    precomputed kernel unit [1] becomes the scalar the GEMM takes)."""
+    precomputed kernel unit [1] becomes the scalar the GEMM takes). The down projection
+    accumulates in f32 and writes `out_dtype` itself: a bf16 result costs no separate f32
+    pass over every capacity row (10.8 us a layer at DeepSeek-V3's decode, 26cc7d8)."""
     def local(w):
       if isinstance(w, BlockFp8Weights) and w.kernel_unit is not None:
         return dataclasses.replace(w, kernel_unit=w.kernel_unit[0])
       return w
 
     w_gate, w_up, w_down = local(w_gate), local(w_up), local(w_down)
-    dot = lambda a, w: grouped_gemm.ragged_dot(a, w, group_sizes, precision=precision,
-                                               preferred_element_type=jnp.float32,
-                                               implementation=GEMM_IMPLEMENTATION)
+    dot = lambda a, w, out=jnp.float32: grouped_gemm.ragged_dot(
+        a, w, group_sizes, precision=precision, preferred_element_type=out,
+        implementation=GEMM_IMPLEMENTATION)
     gate, up = dot(rows, w_gate), dot(rows, w_up)
     h = (jax.nn.silu(gate) * up).astype(rows.dtype)
-    return dot(h, w_down)
+    return dot(h, w_down, out_dtype)
 
   def _dispatch_args(self, T, Tp, x_td, ids_tk, weights_tk):
     """What this shard hands dispatch, (x, ids, weights, num_tokens), in the wire's form."""
@@ -373,9 +375,10 @@ class RoutedExperts(nnx.Module):
       with jax.named_scope(stages.DISPATCH):
         rows = (jm.dequantize_fp8(r.x, r.scales, jnp.bfloat16) if comm.cfg.is_fp8 else r.x)
       with jax.named_scope(stages.EXPERTS):
-        y = self._experts(rows.astype(self.dtype), r.group_sizes, w_gate, w_up, w_down, None)
+        y = self._experts(rows.astype(self.dtype), r.group_sizes, w_gate, w_up, w_down, None,
+                          jnp.bfloat16)
       with jax.named_scope(stages.COMBINE):
-        out = comm.combine(y.astype(jnp.bfloat16), r.handle)
+        out = comm.combine(y, r.handle)
       return out.astype(dtype)
     with jax.named_scope(stages.DISPATCH):
       rows = join_f32(r.x)
@@ -383,7 +386,7 @@ class RoutedExperts(nnx.Module):
     f32 = lambda w: w if isinstance(w, BlockFp8Weights) else w.astype(jnp.float32)
     with jax.named_scope(stages.EXPERTS):
       y = self._experts(rows, r.group_sizes, f32(w_gate), f32(w_up), f32(w_down),
-                        jax.lax.Precision.HIGHEST)
+                        jax.lax.Precision.HIGHEST, jnp.float32)
     with jax.named_scope(stages.COMBINE):
       y_parts = comm.combine(split_f32(y), r.handle)                    # [Tp*K, 3D], exact
     y_tkd = join_f32(y_parts).reshape(*weights_tk.shape, self.dim)
