@@ -107,6 +107,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="run the shared experts (DeepSeek-V3's) between the halves of each MoE "
                       "layer's dispatch, while the routed rows travel (off in the models by "
                       "default until this measures the gain; the check twins take it too)")
+  p.add_argument("--two-batch-overlap", action="store_true",
+                 help="run each batch as two micro-batches, one's layers while the other's "
+                      "dispatch travels (models.two_batch; the check twins take it too)")
   p.add_argument("--ep", type=int, default=None, help="use the first N devices (default all)")
   p.add_argument("--steps", type=int, default=32, help="decode steps of the long timed loop")
   p.add_argument("--short-steps", type=int, default=4, help="decode steps of the short loop")
@@ -160,10 +163,11 @@ def model_config(name: str, layers: int | None) -> dict:
 
 
 def _build(name, mesh, backend, dtype, wire, seed, layers=None, expert_weights="dtype",
-           overlap_shared_experts=False):
+           overlap_shared_experts=False, two_batch_overlap=False):
   return models.from_config(model_config(name, layers), mesh=mesh, backend=backend, dtype=dtype,
                             wire=wire, seed=seed, expert_weights=expert_weights,
-                            overlap_shared_experts=overlap_shared_experts)
+                            overlap_shared_experts=overlap_shared_experts,
+                            two_batch_overlap=two_batch_overlap)
 
 
 def bytes_on_first_device(tree) -> int:
@@ -196,7 +200,8 @@ def check_backends(name, mesh, backends, args, batch) -> dict:
     precision = "highest" if dtype == jnp.float32 else "default"
     for backend in backends:
       model = _build(name, mesh, backend, dtype, wire, args.seed, layers,
-                     overlap_shared_experts=args.overlap_shared_experts)
+                     overlap_shared_experts=args.overlap_shared_experts,
+                     two_batch_overlap=args.two_batch_overlap)
       with jax.default_matmul_precision(precision):
         logits[backend] = np.asarray(models.forward(model, _prompt(model, batch, args.prompt_len,
                                                                     args.seed)))
@@ -278,7 +283,7 @@ def time_model(name, mesh, backend, args, batch, read, prefill_may_fail=False,
   memory is recorded as such and the decode starts from an empty cache (a step reads the
   whole cache, masked, so it costs the same at any position)."""
   model = _build(name, mesh, backend, jnp.bfloat16, args.wire, args.seed, args.layers,
-                 args.expert_weights, args.overlap_shared_experts)
+                 args.expert_weights, args.overlap_shared_experts, args.two_batch_overlap)
   ids = _prompt(model, batch, args.prompt_len, args.seed)
   # the prompt is prefilled at max_len = prompt + steps so one cache shape serves every n
   max_len = args.prompt_len + args.steps + 1
@@ -494,6 +499,7 @@ def main(argv=None) -> int:
         "config": {"batch": batches, "prompt_len": args.prompt_len, "wire": args.wire,
                    "expert_weights": args.expert_weights,
                    "overlap_shared_experts": args.overlap_shared_experts,
+                   "two_batch_overlap": args.two_batch_overlap,
                    "dtype": "bfloat16", "backends": backends, "seed": args.seed,
                    "models": {name: model_config(name, args.layers) for name in args.models}},
         "read_bandwidth": read,

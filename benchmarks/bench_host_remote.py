@@ -77,10 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="--platform cuda: GPUs the processes are spread over (1: both share "
                       "GPU 0; then pass --no-nvlink)")
   p.add_argument("--mps", action="store_true",
-                 help="--platform cuda --gpus 1: the two processes are clients of a CUDA MPS "
-                      "daemon this run starts (private pipe folder, quit at the end), so their "
-                      "kernels share the GPU at once instead of in time slices; tells apart "
-                      "what the proxy path costs from what sharing one GPU costs")
+                 help="--platform cuda --gpus 1 --no-nvlink: the two processes are clients of "
+                      "a CUDA MPS daemon this run starts (private pipe folder, quit at the end), "
+                      "so their kernels share the GPU at once instead of in time slices; tells "
+                      "apart what the proxy path costs from what sharing one GPU costs")
   p.add_argument("--hidden", type=int, default=7168)
   p.add_argument("--experts", type=int, default=256)
   p.add_argument("--topk", type=int, default=8)
@@ -127,9 +127,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   for name in ("providers", "dispatch_dtypes", "reduce", "ops"):
     if not getattr(args, name):
       p.error(f"--{name.replace('_', '-')} must name at least one")
-  if args.mps and (args.platform != "cuda" or args.gpus != 1):
-    p.error(f"--mps needs --platform cuda --gpus 1, got --platform {args.platform} "
-            f"--gpus {args.gpus}")
+  if args.mps and (args.platform != "cuda" or args.gpus != 1 or not args.no_nvlink):
+    # The NVLink kernels of the two processes spin on each other with a block on every SM:
+    # side by side under MPS one launch can hold every SM while the other waits to start.
+    p.error(f"--mps needs --platform cuda --gpus 1 --no-nvlink, got --platform "
+            f"{args.platform} --gpus {args.gpus}" + ("" if args.no_nvlink else " (NVLink on)"))
   if "fused" not in args.ops:
     p.error("--ops must include fused (it is the op checked against the reference)")
   return args
@@ -209,6 +211,22 @@ def _first_post_us(row: dict) -> float | None:
   kernel) seen -> first remote write (slower process)."""
   values = [(p or {}).get("dispatch_send.end", {}).get("first_post_us") for p in row["proxy"]]
   return None if any(v is None for v in values) else max(values)
+
+
+def proxy_phases(rows: list[dict]) -> str:
+  """Per row, where a proxy exchange's time goes, request by request (each process's proxy,
+  medians): the GPU's part before the request (previous answer -> this doorbell) and the
+  proxy's own (doorbell -> answer)."""
+  lines = []
+  for r in rows:
+    for i, requests in enumerate(r.get("proxy") or []):
+      if not requests:
+        continue
+      cells = [f"{op} {p['since_answer_us'] or 0:.0f}+{p['serve_us']:.0f}"
+               for op, p in requests.items()]
+      lines.append(f"{r['provider']} {r['phase']} process {i}, us GPU before + proxy: "
+                   + ", ".join(cells))
+  return "\n".join(lines)
 
 
 def table(rows: list[dict], failures: list[str]) -> str:
@@ -335,6 +353,8 @@ def main(argv=None) -> int:
   report.write_json(stem.with_suffix(".json"), payload)
   plotted = plot(payload, stem.with_suffix(".png"))
   print(table(rows, failures))
+  if args.platform == "cuda":
+    print(proxy_phases(rows))
   print(f"wrote {stem}.json" + (" and .png" if plotted else ""))
   return 0 if not failures and all(r["correct"] for r in rows) else 1
 

@@ -17,6 +17,8 @@
 #            kernel at decode and prefill (fp8, expert, bf16 partials); GIT_COMMIT names the code
 #   stages   on one GPU: profile_kernels.py --ep 1 --stages for the fused ops and the halves at
 #            decode and prefill (fp8, expert, bf16 partials): when each block reached each stage
+#   sms      on one GPU: the fused decode kernels' profile and stage clocks at num_sms 16, 33,
+#            66 and 132 (fp8, expert, bf16 partials)
 #   ep1_cmdbuf  the ep1 decode benchmark (expert mode, bf16 partials) with XLA command buffers
 #            forced on for fusions and custom calls: the launch gaps between a step's kernels
 #            are most of a decode step (docs/perf-notes.md); file suffix -cmdbuf
@@ -116,6 +118,15 @@ for step in "${steps[@]}"; do
       done
       profile_ep1 profile "busy span|us x" 7 ;;
     stages) profile_ep1 stages "busy span|us x|^  [a-z_]+ +[0-9-]" 24 --stages ;;
+    sms)  # the fused decode kernels at fewer blocks: each counts every id, fewer share L2
+      for sms in 16 33 66 132; do
+        timeout -s KILL 90 python3 benchmarks/profile_kernels.py --ep 1 --tokens 128 --stages \
+          --dispatch-dtype fp8 --reduce expert --partial-dtype bf16 --num-sms $sms \
+          --json "$logs/sms_ep1_128_$sms.json" > "$logs/sms_ep1_128_$sms.log" 2>&1
+        echo "sms $sms: rc=$?"
+        grep -E "busy span|local_kernel|^  (counts_seen|segments|ranked|recv_done)" \
+          "$logs/sms_ep1_128_$sms.log" | head -8
+      done ;;
     ep1_cmdbuf)
       XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
         timeout -s KILL 200 python3 benchmarks/bench_dispatch_combine.py --ep 1 \
@@ -134,7 +145,7 @@ for step in "${steps[@]}"; do
           --git-commit "${GIT_COMMIT:-unknown}" --out "$logs/proxy1${mps:+-mps}" \
           > "$logs/proxy1${mps:+-mps}.log" 2>&1
         echo "proxy1 ${mps:-time-sliced}: rc=$?"
-        grep -E "^shm|Error|error" "$logs/proxy1${mps:+-mps}.log" | head -6
+        grep -E "^shm|Error|error" "$logs/proxy1${mps:+-mps}.log" | cut -c1-600 | head -8
       done ;;
     misuse)
       suite misuse_gpu 120 tests/test_misuse.py

@@ -237,32 +237,31 @@ def _run(config: dict, process_id: int) -> list[dict]:
   return records
 
 
-# The doorbell's op codes (ffi/cuda/host_proxy.cc) by request.
-# The CPU phases a half's kernel sits between (ffi/cuda/host_proxy.cc, ProxyOp): "begin" checks
-# the call order and waits, "end" publishes and posts the writes (or the acknowledgement).
-PROXY_OPS = {1: "dispatch_send.begin", 2: "dispatch_send.end", 3: "dispatch_recv.begin",
-             4: "dispatch_recv.end", 5: "combine_send.begin", 6: "combine_send.end",
-             7: "combine_recv.begin", 8: "combine_recv.end"}
-
-
 def proxy_summary(samples_by_ordinal: dict) -> dict:
-  """Per request kind, over every request this process's proxy served (compile and check runs
+  """Per request kind (the CPU phases a half's kernel sits between, ffi/cuda/host_proxy.cc:
+  "begin" checks the call order and waits, "end" publishes and posts the writes or the
+  acknowledgement), over every request this process's proxy served (compile and check runs
   included): medians of doorbell seen -> first remote write posted (`first_post_us`, over
-  requests that posted one) and doorbell seen -> done (`serve_us`)."""
+  requests that posted one), doorbell seen -> done (`serve_us`), and the previous request's
+  answer -> this doorbell seen (`since_answer_us`: the GPU's part before this request, its
+  kernels and its wait for the GPU when processes share one)."""
   import numpy as np
 
   by_op = {}
   for samples in samples_by_ordinal.values():
-    for op, first_post_ns, serve_ns in samples:
-      entry = by_op.setdefault(PROXY_OPS.get(op, str(op)), {"first_post": [], "serve": []})
+    for op, first_post_ns, serve_ns, since_answer_ns in samples:
+      entry = by_op.setdefault(op, {"first_post": [], "serve": [], "since_answer": []})
       if first_post_ns >= 0:
         entry["first_post"].append(first_post_ns / 1e3)
+      if since_answer_ns >= 0:
+        entry["since_answer"].append(since_answer_ns / 1e3)
       entry["serve"].append(serve_ns / 1e3)
   median = lambda v: float(np.median(v)) if v else None  # noqa: E731
   return {op: {"requests": len(v["serve"]), "first_post_us": median(v["first_post"]),
                "first_post_p90_us": float(np.percentile(v["first_post"], 90))
                if v["first_post"] else None,
-               "serve_us": median(v["serve"])} for op, v in by_op.items()}
+               "serve_us": median(v["serve"]), "since_answer_us": median(v["since_answer"])}
+          for op, v in by_op.items()}
 
 
 def _time_raw(engine, meeting, process_id, peer, directions, per_iteration, key, raw_exchange):

@@ -50,6 +50,8 @@ def parse_args():
   p.add_argument("--split", action="store_true",
                  help="time the halves (dispatch_send/recv, combine_send/recv) as separate calls")
   p.add_argument("--ep", type=int, default=None, help="use the first N devices (default all)")
+  p.add_argument("--num-sms", type=int, default=None,
+                 help="MoEConfig.num_sms: blocks of the cuda kernels (default: every SM)")
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--stages", action="store_true",
                  help="also print per-block stage times of the NVLink kernels (cuda backend)")
@@ -73,7 +75,8 @@ def main():
   cfg = jm.MoEConfig(a.experts, a.topk, a.hidden, a.tokens,
                      dispatch_dtype=jnp.float8_e4m3fn if a.dispatch_dtype == "fp8" else jnp.bfloat16,
                      combine_reduce=a.reduce,
-                     partial_dtype=jnp.bfloat16 if a.partial_dtype == "bf16" else jnp.float32)
+                     partial_dtype=jnp.bfloat16 if a.partial_dtype == "bf16" else jnp.float32,
+                     num_sms=a.num_sms)
   comm = jm.Communicator(cfg, mesh, "ep", backend=a.backend)
 
   rng = np.random.default_rng(0)

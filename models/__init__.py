@@ -30,7 +30,7 @@ from jax_moe.models.tiny import TINY_CONFIGS
 
 def _build(config: dict, mesh, axis: str | None, backend: str, dtype, wire,
            expert_weights="dtype", tp_axis: str | None = None,
-           overlap_shared_experts: bool = False):
+           overlap_shared_experts: bool = False, two_batch_overlap: bool = False):
   if not isinstance(config, dict):
     raise TypeError(f"config must be a config.json dict, got {type(config).__name__}")
   cls = model_class(config.get("model_type"))
@@ -40,7 +40,8 @@ def _build(config: dict, mesh, axis: str | None, backend: str, dtype, wire,
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   rules = ShardingRules.of_mesh(mesh, axis, tp_axis)
   return cls(config, rules=rules, backend=backend, dtype=dtype, wire=wire,
-             expert_weights=expert_weights, overlap_shared_experts=overlap_shared_experts)
+             expert_weights=expert_weights, overlap_shared_experts=overlap_shared_experts,
+             two_batch_overlap=two_batch_overlap)
 
 
 def _kernel_ready(model):
@@ -55,7 +56,8 @@ def _kernel_ready(model):
 def from_pretrained(path: str, mesh=None, backend: str = "auto", dtype=jnp.bfloat16, *,
                     axis: str | None = None, tp_axis: str | None = None,
                     wire: str | None = None, expert_weights: str = "dtype",
-                    overlap_shared_experts: bool = False, progress: bool = True):
+                    overlap_shared_experts: bool = False, two_batch_overlap: bool = False,
+                    progress: bool = True):
   """Loads a Hugging Face checkpoint directory (config.json + safetensors) onto `mesh`.
 
   mesh: None (every local device on "ep"), a 1-D mesh, or a ("dp", "tp") mesh; `axis` and
@@ -68,23 +70,27 @@ def from_pretrained(path: str, mesh=None, backend: str = "auto", dtype=jnp.bfloa
   overlap_shared_experts: run the shared experts (DeepSeek-V3's) between the halves of each
   MoE layer's dispatch, while the routed rows travel; the same logits. Off by default: the
   gain is not measured yet. Models without shared experts ignore it.
+  two_batch_overlap: run each batch that splits into two micro-batches per shard as two, one's
+  layers while the other's dispatch travels (models.two_batch); the logits up to the halves'
+  roundings. Off by default: the gain is not measured yet.
   """
   reader = loader.CheckpointReader(path)
   model = _build(reader.config, mesh, axis, backend, dtype, wire, expert_weights, tp_axis,
-                 overlap_shared_experts)
+                 overlap_shared_experts, two_batch_overlap)
   return _kernel_ready(loader.load_weights(model, reader, progress))
 
 
 def from_config(config: dict, mesh=None, backend: str = "auto", dtype=jnp.bfloat16, *,
                 axis: str | None = None, tp_axis: str | None = None,
                 wire: str | None = None, expert_weights: str = "dtype",
-                overlap_shared_experts: bool = False, seed: int = 0):
+                overlap_shared_experts: bool = False, two_batch_overlap: bool = False,
+                seed: int = 0):
   """A model of a config.json dict with random weights (fixed seed), placed on `mesh` (as
   from_pretrained takes it, options included); with expert_weights="fp8" the experts' random
   weights are block-fp8 quantized."""
   return _kernel_ready(loader.random_weights(
       _build(config, mesh, axis, backend, dtype, wire, expert_weights, tp_axis,
-             overlap_shared_experts), seed))
+             overlap_shared_experts, two_batch_overlap), seed))
 
 
 def tiny(name: str, **kwargs):

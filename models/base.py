@@ -6,13 +6,16 @@ its module lazily (`qwen3_moe` -> `jax_moe.models.qwen3_moe.Qwen3MoeForCausalLM`
 
 A model class subclasses `CausalLM` (an `nnx.Module`), which is built as
 `cls(config: dict, *, rules: ShardingRules, backend="auto", dtype=bf16, wire=None,
-expert_weights="dtype", overlap_shared_experts=False)` with `config` the parsed config.json;
+expert_weights="dtype", overlap_shared_experts=False, two_batch_overlap=False)` with `config`
+the parsed config.json;
 `expert_weights` is how the routed experts hold their weights: "dtype" (the model dtype) or
 "fp8" (block-fp8, `grouped_gemm.BlockFp8Weights`, with the block of config.json's
 `quantization_config`, else 128 x 128; see jax_moe.models.moe). `overlap_shared_experts`
 runs the shared experts between the halves of each MoE layer's dispatch (off by default: the
 gain is not measured yet); it goes into the config of models with shared experts
-(`n_shared_experts`, DeepSeek-V3) and changes nothing in the others. The class declares
+(`n_shared_experts`, DeepSeek-V3) and changes nothing in the others. `two_batch_overlap` runs
+a batch as two micro-batches, one's layers while the other's dispatch is in flight
+(models.two_batch; off by default, the gain is not measured yet). The class declares
 
   config_class
       `config_class.from_hf(config)` -> a frozen dataclass (hashable, static values only: no
@@ -22,7 +25,8 @@ gain is not measured yet); it goes into the config of models with shared experts
       `layer_class(cfg, i, rules=, pool=, dtype=, wire=, fp8_block=)`: decoder layer i, its
       parameters abstract (`sharding.param`: shape, dtype, NamedSharding; no memory); its
       RoutedExperts take `pool` (the model's CommunicatorPool), `wire` and `fp8_block` (None
-      for experts in the model dtype).
+      for experts in the model dtype). Its `steps(x, ..., slot=None)` is the layer as a
+      generator (stages.pre_norm_residual) for `run_layers`.
 
 and implements:
   checkpoint_map(self) -> dict[tuple, source]
@@ -57,7 +61,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_moe.models import fp8_weights, layers
+from jax_moe.models import fp8_weights, layers, stages, two_batch
 from jax_moe.models.checkpoint import CheckpointError, Tensor, linear
 from jax_moe.models.moe import CommunicatorPool
 from jax_moe.models.sharding import ShardingRules
@@ -102,7 +106,7 @@ class CausalLM(nnx.Module):
 
   def __init__(self, config: dict, *, rules: ShardingRules, backend: str = "auto",
                dtype=jnp.bfloat16, wire: str | None = None, expert_weights: str = "dtype",
-               overlap_shared_experts: bool = False):
+               overlap_shared_experts: bool = False, two_batch_overlap: bool = False):
     """The decoder trunk: embed_tokens [V, D], layers, final norm, lm_head (None if tied)."""
     if expert_weights not in EXPERT_WEIGHTS:
       raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
@@ -111,6 +115,7 @@ class CausalLM(nnx.Module):
         if expert_weights == "fp8" else None)
     self.rules = rules
     self.dtype = jnp.dtype(dtype)
+    self.two_batch_overlap = bool(two_batch_overlap)
     self.pool = CommunicatorPool(rules, backend)
     cfg = self.config_class.from_hf(config)
     # Only a model with shared experts has something to overlap, and a field to hold it.
@@ -138,8 +143,12 @@ class CausalLM(nnx.Module):
     raise NotImplementedError
 
   def prepare(self, batch: int, seq: int) -> None:
-    """Builds the communicators a call on input_ids [batch, seq] needs (outside jit)."""
-    self.pool.prepare(batch * seq)
+    """Builds the communicators a call on input_ids [batch, seq] needs (outside jit): with
+    the two-batch overlap, one per micro-batch of half the batch."""
+    if self.two_batch_overlap and two_batch.splits(self.rules, batch):
+      self.pool.prepare(batch // two_batch.MICRO_BATCHES * seq, two_batch.MICRO_BATCHES)
+    else:
+      self.pool.prepare(batch * seq)
 
   # ---------------------------------------------------------------- decoder trunk
   @staticmethod
@@ -150,16 +159,24 @@ class CausalLM(nnx.Module):
     index = jnp.int32(0) if cache is None else cache.index
     return index, jnp.broadcast_to(index + jnp.arange(S, dtype=jnp.int32), (B, S))
 
-  def run_layers(self, x_bsd, cache: Cache | None, call_layer):
+  def run_layers(self, x_bsd, cache: Cache | None, per_token: tuple, layer_steps):
     """x through every layer of `self.layers`, batch-sharded between layers.
 
-    call_layer(layer, x_bsd, layer_cache or None) -> (x_bsd, new layer_cache or None).
+    layer_steps(layer, x_bsd, layer_cache or None, per_token, slot) -> the layer's `steps`
+    generator, which returns (x_bsd, new layer_cache or None); `per_token` holds the
+    batch-first arrays a layer takes besides x (positions, rotary tables). With
+    `two_batch_overlap` and a batch that splits, the layers run as two micro-batches
+    (models.two_batch), slots 0 and 1; else as one (slot None: the fused exchange).
     Returns (x_bsd, tuple of the new layer caches).
     """
     x_bsd = self.rules.constrain(x_bsd, "batch", None, None)
+    layer_caches = None if cache is None else cache.layers
+    if self.two_batch_overlap and two_batch.splits(self.rules, x_bsd.shape[0]):
+      return two_batch.run_layers(self, x_bsd, layer_caches, per_token, layer_steps)
     new_layers = []
     for i, layer in enumerate(self.layers):
-      x_bsd, layer_cache = call_layer(layer, x_bsd, None if cache is None else cache.layers[i])
+      x_bsd, layer_cache = stages.finish(layer_steps(
+          layer, x_bsd, None if layer_caches is None else layer_caches[i], per_token, None))
       x_bsd = self.rules.constrain(x_bsd, "batch", None, None)
       new_layers.append(layer_cache)
     return x_bsd, tuple(new_layers)
@@ -200,4 +217,5 @@ class CausalLM(nnx.Module):
     return (f"mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} "
             f"device(s); attention data-parallel over batch on '{rules.axis}'{tp}, experts "
             f"sharded over {rules.expert_axis!r} ({rules.expert_size} way), MoE exchange "
-            f"backend '{self.pool.backend_name}', dtype {self.dtype.name}{experts}")
+            f"backend '{self.pool.backend_name}', dtype {self.dtype.name}{experts}"
+            + (", two micro-batches (two-batch overlap)" if self.two_batch_overlap else ""))

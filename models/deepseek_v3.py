@@ -162,9 +162,22 @@ class DeepseekV3MoE(nnx.Module):
                            if cfg.n_shared_experts else None)
     self.overlap_shared_experts = cfg.overlap_shared_experts
 
-  def __call__(self, x_bsd):
+  def steps(self, x_bsd, slot: int):
+    """__call__ as a generator, the dispatch as halves (RoutedExperts.steps); the shared
+    experts run after the receive (the other micro-batch fills the gap between the halves)."""
+    ids_tk, weights_tk = self._route(x_bsd)
+    y_bsd = yield from self.experts.steps(x_bsd, ids_tk, weights_tk, slot)
+    if self.shared_experts is None:
+      return y_bsd
+    with jax.named_scope(stages.SHARED_EXPERTS):
+      return y_bsd + self.shared_experts(x_bsd)
+
+  def _route(self, x_bsd):
     with jax.named_scope(stages.ROUTER):
-      ids_tk, weights_tk = self.gate(x_bsd.reshape(-1, x_bsd.shape[-1]))
+      return self.gate(x_bsd.reshape(-1, x_bsd.shape[-1]))
+
+  def __call__(self, x_bsd):
+    ids_tk, weights_tk = self._route(x_bsd)
     if self.shared_experts is None:
       return self.experts(x_bsd, ids_tk, weights_tk)
     if self.overlap_shared_experts:
@@ -194,9 +207,15 @@ class DecoderLayer(nnx.Module):
                                  pool=pool, dtype=dtype)
 
   def __call__(self, x_bsd, positions_bs, cache=None, index=None):
+    return stages.finish(self.steps(x_bsd, positions_bs, cache, index))
+
+  def steps(self, x_bsd, positions_bs, cache=None, index=None, slot=None):
+    """__call__ as a generator; with `slot` (a micro-batch of the two-batch overlap) the MoE
+    block's dispatch goes as halves with a yield between (stages.mlp_steps)."""
     attention = lambda h: self.self_attn(h, positions_bs, cache, index)  # noqa: E731
-    return stages.pre_norm_residual(x_bsd, self.input_layernorm, attention,
-                                    self.post_attention_layernorm, self.mlp, self.is_moe)
+    return (yield from stages.pre_norm_residual(
+        x_bsd, self.input_layernorm, attention, self.post_attention_layernorm,
+        stages.mlp_steps(self.mlp, self.is_moe, slot), self.is_moe))
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -209,8 +228,9 @@ class DeepseekV3ForCausalLM(CausalLM):
   def __call__(self, input_ids_bs, *, cache: Cache | None = None):
     index, positions_bs = self.token_positions(input_ids_bs, cache)
     x_bsd, new_layers = self.run_layers(
-        self.embed_tokens(input_ids_bs), cache,
-        lambda layer, x_bsd, layer_cache: layer(x_bsd, positions_bs, layer_cache, index))
+        self.embed_tokens(input_ids_bs), cache, (positions_bs,),
+        lambda layer, x_bsd, layer_cache, per_token, slot: layer.steps(
+            x_bsd, *per_token, layer_cache, index, slot))
     return self.final_logits(x_bsd, self.embed_tokens, cache, new_layers)
 
   def layout(self) -> str:

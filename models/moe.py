@@ -10,6 +10,7 @@ Contract (what the models rely on):
                           dtype=..., fp8_block=None)
   y_td = experts(x_td, topk_ids_tk, topk_weights_tk)
   y_td, z = experts.overlapped(x_td, topk_ids_tk, topk_weights_tk, module, scope)  # module(x)
+  y_td = yield from experts.steps(x_td, topk_ids_tk, topk_weights_tk, slot)  # in a generator
 
   - `x_td` [T, D] in the model dtype (or [B, S, D]; the leading dims are flattened and
     restored). Routing is the model's job: `topk_ids_tk` [T, K] int32 (`-1` = slot unused),
@@ -37,9 +38,14 @@ Contract (what the models rely on):
     the named scope `scope` between the two halves, while the rows travel (DeepSeek-V3's
     shared experts with `overlap_shared_experts`). On one GPU the cuda backend's fused
     dispatch skips its buffer and the halves do not: there the overlap gives up that shortcut.
+  - `steps` is the same block as a generator: it yields the pending dispatch after
+    dispatch_send and takes it back (through whatever barrier the caller put it) for
+    dispatch_recv, the experts and the combine; it returns y_td. The models' two-batch
+    overlap (models.two_batch) runs the other micro-batch's layers while it is suspended;
+    `slot` (0 or 1) picks the communicator, one per micro-batch in flight.
   - Communicators allocate, so they are built outside jit: one per MoEConfig (one per
     per-shard token count), cached in a `CommunicatorPool` shared by all layers of a model.
-    Call `pool.prepare(num_tokens)` (models do it in `prepare(batch, seq)`) before tracing
+    Call `pool.prepare(num_tokens, slots)` (models do it in `prepare(batch, seq)`) before tracing
     a call with that many tokens; an eager call builds what it needs itself.
 
 Wire formats (`wire`):
@@ -117,17 +123,19 @@ class CommunicatorPool:
   """A model's collectives, built outside jit and reused: one jm.Communicator per MoEConfig
   over the expert axes, and the jm.AllReduce over the tensor-parallel axis (when tp > 1).
 
-  Layers register the config template of their exchange (`register`); `prepare(num_tokens)`
-  builds the communicators for a call with `num_tokens` tokens in total; `get(cfg)` returns
-  one, building it when not inside a trace. `tp_sum(x)` sums tensor-parallel partial results.
-  Hashable by identity, so models keep it as a static attribute.
+  Layers register the config template of their exchange (`register`); `prepare(num_tokens,
+  slots)` builds the communicators for a call with `num_tokens` tokens in total, one per slot
+  (a micro-batch whose halves are in flight while another's run: its own buffers and call
+  order); `get(cfg, tracing, slot)` returns one, building it when not inside a trace.
+  `tp_sum(x)` sums tensor-parallel partial results. Hashable by identity, so models keep it
+  as a static attribute.
   """
 
   def __init__(self, rules: ShardingRules, backend: str = "auto"):
     self.rules = rules
     self.backend = backend
     self._layers = []
-    self._comms: dict[jm.MoEConfig, jm.Communicator] = {}
+    self._comms: dict[tuple[jm.MoEConfig, int], jm.Communicator] = {}
     # The custom call on GPUs (one-shot/two-shot, buffers allocated here), psum elsewhere.
     self._all_reduce = (jm.AllReduce(rules.mesh, rules.tp_axis) if rules.tp_size > 1
                         else None)
@@ -140,22 +148,24 @@ class CommunicatorPool:
   def register(self, layer: "RoutedExperts") -> None:
     self._layers.append(layer)
 
-  def prepare(self, num_tokens: int) -> None:
+  def prepare(self, num_tokens: int, slots: int = 1) -> None:
     for layer in self._layers:
-      self.get(layer.moe_config(num_tokens), tracing=False)
+      for slot in range(slots):
+        self.get(layer.moe_config(num_tokens), tracing=False, slot=slot)
 
-  def get(self, cfg: jm.MoEConfig, tracing: bool) -> jm.Communicator:
-    comm = self._comms.get(cfg)
+  def get(self, cfg: jm.MoEConfig, tracing: bool, slot: int = 0) -> jm.Communicator:
+    comm = self._comms.get((cfg, slot))
     if comm is None:
       if tracing:
         raise RuntimeError(
-            f"RoutedExperts: no Communicator for max_tokens={cfg.max_tokens} per shard; "
+            f"RoutedExperts: no Communicator for max_tokens={cfg.max_tokens} per shard "
+            f"(slot {slot}); "
             "communicators allocate and must be built outside jit: call "
             "model.prepare(batch, seq) with the shape of this call before jit-compiling it")
       # A tp group's ranks hold the same tokens after attention: the DP-group exchange.
       comm = jm.Communicator(cfg, self.rules.mesh, axis=self.rules.expert_axis,
                              backend=self.backend, replicated_over=self.rules.tp_axis)
-      self._comms[cfg] = comm
+      self._comms[(cfg, slot)] = comm
     return comm
 
   @property
@@ -180,6 +190,23 @@ class CommunicatorPool:
     if self._all_reduce is not None:
       self._all_reduce.close()
       self._all_reduce = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _CallInputs:
+  """What one RoutedExperts call hands its shard_maps (RoutedExperts._call_inputs)."""
+  lead_shape: tuple
+  T: int
+  Tp: int
+  comm: jm.Communicator
+  dtype: jnp.dtype
+  w: tuple
+  x_td: jax.Array
+  ids_tk: jax.Array
+  weights_tk: jax.Array
+  rows: P
+  experts: P
+  mesh: object
 
 
 class RoutedExperts(nnx.Module):
@@ -233,17 +260,64 @@ class RoutedExperts(nnx.Module):
                         partial_dtype=PARTIAL_DTYPE if expert else jnp.float32)
 
   def __call__(self, x_td, topk_ids_tk, topk_weights_tk):
-    y_td, _ = self._run(x_td, topk_ids_tk, topk_weights_tk, None, None)
-    return y_td
+    c = self._call_inputs(x_td, topk_ids_tk, topk_weights_tk, slot=0)
+
+    def fused(x_td, ids_tk, weights_tk, *w):
+      with jax.named_scope(stages.DISPATCH):
+        r = c.comm.dispatch(*self._dispatch_args(c.T, c.Tp, x_td, ids_tk, weights_tk))
+      return self._experts_and_combine(c.comm, r, weights_tk, *w, c.dtype)
+
+    y_td = shard_map(fused, c.mesh, in_specs=(c.rows, c.rows, c.rows) + (c.experts,) * 3,
+                     out_specs=c.rows)(c.x_td, c.ids_tk, c.weights_tk, *c.w)
+    return y_td[:c.T].reshape(*c.lead_shape, self.dim)
 
   def overlapped(self, x_td, topk_ids_tk, topk_weights_tk, overlap: nnx.Module, scope: str):
     """(self(x_td, topk_ids_tk, topk_weights_tk), overlap(x_td)), the module `overlap` run
     under the named scope `scope` while the dispatched rows are in flight: the dispatch goes
     as its halves, dispatch_send -> overlap -> dispatch_recv, which give the fused dispatch's
     bits (docs/semantics.md). `overlap` takes x as given (any leading dims)."""
-    return self._run(x_td, topk_ids_tk, topk_weights_tk, overlap, scope)
+    steps = self.steps(x_td, topk_ids_tk, topk_weights_tk)
+    pending = next(steps)
+    # `overlap` needs nothing the exchange makes, so the scheduler could place it anywhere:
+    # the barriers pin it after the send and before the receive. They take its parameters
+    # and a copy of its output, not x or the output the caller adds: a barrier on those would
+    # round them to the model dtype where XLA keeps a bf16 model's fused values in f32
+    # (excess precision), and the logits would differ from the fused dispatch's.
+    graphdef, state = nnx.split(overlap)
+    pending, state = jax.lax.optimization_barrier((pending, state))
+    with jax.named_scope(scope):
+      overlapped = nnx.merge(graphdef, state)(x_td)
+    pending, _ = jax.lax.optimization_barrier((pending, overlapped))
+    return stages.finish(steps, pending), overlapped
 
-  def _run(self, x, topk_ids_tk, topk_weights_tk, overlap, scope):
+  def steps(self, x_td, topk_ids_tk, topk_weights_tk, slot: int = 0):
+    """A generator: dispatch_send, then it yields the pending dispatch and resumes with it
+    (as the driver hands it back) for dispatch_recv, the experts and the combine; returns
+    what __call__ returns. `slot` picks the communicator (one per micro-batch in flight)."""
+    c = self._call_inputs(x_td, topk_ids_tk, topk_weights_tk, slot)
+
+    def send(x_td, ids_tk, weights_tk):
+      with jax.named_scope(stages.DISPATCH):
+        pending = c.comm.dispatch_send(*self._dispatch_args(c.T, c.Tp, x_td, ids_tk,
+                                                            weights_tk))
+      # Out of shard_map as one row of a [ranks, ...] array per leaf (some are scalars):
+      # `recv` takes the same rows, so each rank receives its own pending half.
+      return jax.tree.map(lambda a: a[None], pending)
+
+    def recv(pending, weights_tk, *w):
+      with jax.named_scope(stages.DISPATCH):
+        r = c.comm.dispatch_recv(jax.tree.map(lambda a: a[0], pending))
+      return self._experts_and_combine(c.comm, r, weights_tk, *w, c.dtype)
+
+    pending = shard_map(send, c.mesh, in_specs=(c.rows, c.rows, c.rows),
+                        out_specs=c.experts)(c.x_td, c.ids_tk, c.weights_tk)
+    pending = yield pending
+    y_td = shard_map(recv, c.mesh, in_specs=(c.experts, c.rows) + (c.experts,) * 3,
+                     out_specs=c.rows)(pending, c.weights_tk, *c.w)
+    return y_td[:c.T].reshape(*c.lead_shape, self.dim)
+
+  def _call_inputs(self, x, topk_ids_tk, topk_weights_tk, slot: int) -> "_CallInputs":
+    """One call's checked and padded inputs, its communicator and its sharding specs."""
     lead_shape = x.shape[:-1]
     D, K = self.dim, self.experts_per_token
     x_td = x.reshape(-1, D)
@@ -253,55 +327,19 @@ class RoutedExperts(nnx.Module):
                        f"{topk_weights_tk.shape} must have {T} rows of K={K}, like x {x_td.shape}")
     ids_tk = topk_ids_tk.reshape(T, K).astype(jnp.int32)
     weights_tk = topk_weights_tk.reshape(T, K).astype(jnp.float32)
-    cfg = self.moe_config(T)
-    comm = self.pool.get(cfg, tracing=isinstance(x_td, jax.core.Tracer))
+    comm = self.pool.get(self.moe_config(T), tracing=isinstance(x_td, jax.core.Tracer),
+                         slot=slot)
     G, Tp = self.rules.axis_size, self.tokens_per_group(T)
     pad = G * Tp - T
-    x_td = jnp.pad(x_td, ((0, pad), (0, 0)))
-    ids_tk = jnp.pad(ids_tk, ((0, pad), (0, 0)), constant_values=-1)
-    weights_tk = jnp.pad(weights_tk, ((0, pad), (0, 0)))
-    # tokens over the groups (replicated inside a tp group), experts over every rank
-    rows, experts, mesh = P(self.rules.axis), P(self.rules.expert_axis), self.rules.mesh
     # get_value, not [...]: a BlockFp8Weights is a pytree, P(ax) shards each of its arrays
     w = (self.w_gate_edf.get_value(), self.w_up_edf.get_value(), self.w_down_efd.get_value())
-    dtype = x_td.dtype
-    if overlap is None:
-      def fused(x_td, ids_tk, weights_tk, *w):
-        with jax.named_scope(stages.DISPATCH):
-          r = comm.dispatch(*self._dispatch_args(T, Tp, x_td, ids_tk, weights_tk))
-        return self._experts_and_combine(comm, r, weights_tk, *w, dtype)
-
-      y_td = shard_map(fused, mesh, in_specs=(rows, rows, rows) + (experts,) * 3,
-                       out_specs=rows)(x_td, ids_tk, weights_tk, *w)
-      return y_td[:T].reshape(*lead_shape, D), None
-
-    def send(x_td, ids_tk, weights_tk):
-      with jax.named_scope(stages.DISPATCH):
-        pending = comm.dispatch_send(*self._dispatch_args(T, Tp, x_td, ids_tk, weights_tk))
-      # Out of shard_map as one row of a [ranks, ...] array per leaf (some are scalars):
-      # `recv` takes the same rows, so each rank receives its own pending half.
-      return jax.tree.map(lambda a: a[None], pending)
-
-    def recv(pending, weights_tk, *w):
-      with jax.named_scope(stages.DISPATCH):
-        r = comm.dispatch_recv(jax.tree.map(lambda a: a[0], pending))
-      return self._experts_and_combine(comm, r, weights_tk, *w, dtype)
-
-    pending = shard_map(send, mesh, in_specs=(rows, rows, rows),
-                        out_specs=experts)(x_td, ids_tk, weights_tk)
-    # `overlap` needs nothing the exchange makes, so the scheduler could place it anywhere:
-    # the barriers pin it after the send and before the receive. They take its parameters
-    # and a copy of its output, not x or the output the caller adds: a barrier on those would
-    # round them to the model dtype where XLA keeps a bf16 model's fused values in f32
-    # (excess precision), and the logits would differ from the fused dispatch's.
-    graphdef, state = nnx.split(overlap)
-    pending, state = jax.lax.optimization_barrier((pending, state))
-    with jax.named_scope(scope):
-      overlapped = nnx.merge(graphdef, state)(x)
-    pending, _ = jax.lax.optimization_barrier((pending, overlapped))
-    y_td = shard_map(recv, mesh, in_specs=(experts, rows) + (experts,) * 3,
-                     out_specs=rows)(pending, weights_tk, *w)
-    return y_td[:T].reshape(*lead_shape, D), overlapped
+    # tokens over the groups (replicated inside a tp group), experts over every rank
+    return _CallInputs(
+        lead_shape=lead_shape, T=T, Tp=Tp, comm=comm, dtype=x_td.dtype, w=w,
+        x_td=jnp.pad(x_td, ((0, pad), (0, 0))),
+        ids_tk=jnp.pad(ids_tk, ((0, pad), (0, 0)), constant_values=-1),
+        weights_tk=jnp.pad(weights_tk, ((0, pad), (0, 0))),
+        rows=P(self.rules.axis), experts=P(self.rules.expert_axis), mesh=self.rules.mesh)
 
   # ---------------------------------------------------------------- per shard
   def _real_tokens(self, T: int, Tp: int):

@@ -169,6 +169,14 @@ class SparseMoe(nnx.Module):
                                  pool=pool, dtype=dtype, wire=wire, fp8_block=fp8_block)
 
   def __call__(self, x_bsd):
+    return self.experts(x_bsd, *self._route(x_bsd))
+
+  def steps(self, x_bsd, slot: int):
+    """__call__ as a generator, the dispatch as halves (RoutedExperts.steps)."""
+    return (yield from self.experts.steps(x_bsd, *self._route(x_bsd), slot))
+
+  def _route(self, x_bsd):
+    """(topk ids int32, topk weights f32) of each token."""
     with jax.named_scope(stages.ROUTER):
       logits = self.router(x_bsd)
       probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
@@ -177,7 +185,7 @@ class SparseMoe(nnx.Module):
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
       # transformers casts the routing weights to the activation dtype before using them
       weights = weights.astype(x_bsd.dtype).astype(jnp.float32)
-    return self.experts(x_bsd, ids.astype(jnp.int32), weights)
+    return ids.astype(jnp.int32), weights
 
 
 class DecoderLayer(nnx.Module):
@@ -195,9 +203,15 @@ class DecoderLayer(nnx.Module):
                                  pool=pool, dtype=dtype)
 
   def __call__(self, x_bsd, cos, sin, positions_bs, kv_cache=None, index=None):
+    return stages.finish(self.steps(x_bsd, cos, sin, positions_bs, kv_cache, index))
+
+  def steps(self, x_bsd, cos, sin, positions_bs, kv_cache=None, index=None, slot=None):
+    """__call__ as a generator; with `slot` (a micro-batch of the two-batch overlap) the MoE
+    block's dispatch goes as halves with a yield between (stages.mlp_steps)."""
     attention = lambda h: self.attn(h, cos, sin, positions_bs, kv_cache, index)  # noqa: E731
-    return stages.pre_norm_residual(x_bsd, self.input_norm, attention, self.post_attn_norm,
-                                    self.mlp, self.is_moe)
+    return (yield from stages.pre_norm_residual(
+        x_bsd, self.input_norm, attention, self.post_attn_norm,
+        stages.mlp_steps(self.mlp, self.is_moe, slot), self.is_moe))
 
 
 class Qwen3MoeForCausalLM(CausalLM):
@@ -211,8 +225,9 @@ class Qwen3MoeForCausalLM(CausalLM):
     inv_freq = layers.rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta)
     cos, sin = layers.rope_cos_sin(positions_bs, inv_freq, self.dtype)
     x_bsd, new_layers = self.run_layers(
-        self.embed_tokens(input_ids_bs), cache,
-        lambda layer, x_bsd, kv: layer(x_bsd, cos, sin, positions_bs, kv, index))
+        self.embed_tokens(input_ids_bs), cache, (cos, sin, positions_bs),
+        lambda layer, x_bsd, kv, per_token, slot: layer.steps(x_bsd, *per_token, kv, index,
+                                                              slot))
     return self.final_logits(x_bsd, self.embed_tokens, cache, new_layers)
 
   def init_cache(self, batch: int, max_len: int) -> Cache:

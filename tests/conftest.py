@@ -1,5 +1,7 @@
-"""Shared pytest setup: eight host devices, the `gpu` marker, meshes, backends, RNG."""
+"""Shared pytest setup: eight host devices, the `gpu` marker, meshes, backends, RNG, and
+compiled programs released after each test module."""
 
+import gc
 import os
 import zlib
 
@@ -45,6 +47,33 @@ def usable_backends():
 def pytest_generate_tests(metafunc):
     if "backend" in metafunc.fixturenames:
         metafunc.parametrize("backend", usable_backends())
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops every compiled program after a test module. XLA:CPU maps each executable's code
+    in several memory mappings, and jax keeps an executable as long as its jitted function's
+    cache holds it: one pytest process running the whole suite reached the kernel's limit of
+    65530 mappings (vm.max_map_count; tests/models/test_two_batch_overlap.py alone leaves
+    ~19000), the next compile failed, its C++ exception's unwinding took a signal inside
+    libgcc's unwinder, and the handler (libinfinipath's, loaded with libfabric's psm
+    provider) called backtrace(), which waits forever on the lock the unwinder held: CI hung
+    at the same test twice (gdb at b01e48c). Programs a later module
+    needs are compiled again (seconds). A module that still leaves more than half the limit
+    mapped fails here rather than hanging a later one."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+    if os.path.exists("/proc/self/maps"):
+        with open("/proc/self/maps") as maps:
+            mapped = sum(1 for _ in maps)
+        if mapped > _MAX_MAPPINGS_AFTER_MODULE:
+            pytest.fail(f"{mapped} memory mappings remain after this module's compiled programs "
+                        f"were released (more than {_MAX_MAPPINGS_AFTER_MODULE}; the kernel "
+                        "allows 65530): something keeps executables alive")
+
+
+_MAX_MAPPINGS_AFTER_MODULE = 32000
 
 
 @pytest.fixture

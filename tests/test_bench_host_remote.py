@@ -184,11 +184,36 @@ def test_private_mps_reports_a_daemon_that_does_not_start(tmp_path, monkeypatch)
             pass
 
 
-def test_mps_needs_the_cuda_platform_on_one_gpu(capsys):
+def test_mps_needs_the_cuda_platform_on_one_gpu_without_nvlink(capsys):
     from benchmarks import bench_host_remote
 
-    for argv in (["--mps"], ["--mps", "--platform", "cuda", "--gpus", "2"]):
+    one_gpu = ["--mps", "--platform", "cuda", "--gpus", "1"]
+    for argv in (["--mps", "--no-nvlink"], ["--mps", "--platform", "cuda", "--gpus", "2",
+                                            "--no-nvlink"], one_gpu):
         with pytest.raises(SystemExit):
             bench_host_remote.parse_args(argv)
-        assert "--mps needs --platform cuda --gpus 1" in capsys.readouterr().err
-    assert bench_host_remote.parse_args(["--mps", "--platform", "cuda", "--gpus", "1"]).mps
+        assert "--mps needs --platform cuda --gpus 1 --no-nvlink" in capsys.readouterr().err
+    assert bench_host_remote.parse_args([*one_gpu, "--no-nvlink"]).mps
+
+
+def test_proxy_summary_and_phases_name_each_request_and_the_gpu_part_before_it():
+    """The proxies' samples (op name from the native module, first post, serve and the gap
+    since the previous answer, ns) become per-request medians, and the printed phases say
+    the GPU's part before each request and the proxy's own."""
+    from benchmarks import bench_host_remote, host_remote_worker
+
+    samples = {0: [("dispatch_send.begin", -1, 2_000, -1),
+                   ("dispatch_send.end", 6_000, 14_000, 900_000),
+                   ("dispatch_send.begin", -1, 4_000, 3_000_000),
+                   ("dispatch_send.end", 8_000, 16_000, 1_100_000)]}
+    summary = host_remote_worker.proxy_summary(samples)
+    assert summary["dispatch_send.begin"] == {
+        "requests": 2, "first_post_us": None, "first_post_p90_us": None, "serve_us": 3.0,
+        "since_answer_us": 3000.0}
+    end = summary["dispatch_send.end"]
+    assert end["first_post_us"] == 7.0 and end["serve_us"] == 15.0
+    assert end["since_answer_us"] == 1000.0
+    row = {"provider": "shm", "phase": "decode", "proxy": [summary, None]}
+    assert bench_host_remote.proxy_phases([row]) == (
+        "shm decode process 0, us GPU before + proxy: dispatch_send.begin 3000+3, "
+        "dispatch_send.end 1000+15")

@@ -96,14 +96,16 @@ void bind_cuda(nb::module_& m) {
   m.def(
       "cuda_proxy_samples",
       [](int64_t comm_id, int ordinal) {
-        std::vector<std::tuple<uint32_t, int64_t, int64_t>> out;
+        std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> out;
         for (const ProxySample& p : take_proxy_samples(comm_id, ordinal))
-          out.emplace_back(p.op, p.seen_to_first_post_ns, p.serve_ns);
+          out.emplace_back(proxy_op_name(p.op), p.seen_to_first_post_ns, p.serve_ns,
+                           p.since_answer_ns);
         return out;
       },
       nb::arg("comm_id"), nb::arg("ordinal"),
-      "(op, doorbell seen -> first remote write posted ns or -1, doorbell seen -> done ns) of "
-      "each request the proxy served since the last call.");
+      "(op name, doorbell seen -> first remote write posted ns or -1, doorbell seen -> done "
+      "ns, previous request answered -> this doorbell seen ns or -1) of each request the "
+      "proxy served since the last call.");
   m.def(
       "cuda_take_error",
       [](int64_t comm_id, int ordinal) -> nb::object {

@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "ffi/cuda/driver.h"
 #include "ffi/host/exchange.h"
 #include "ffi/host/state.h"
 
@@ -23,6 +24,24 @@ enum ProxyOp : uint32_t {
   kOpCombineRecv = 7,      // wait for rows or partials
   kOpCombineRecvEnd = 8,   // acknowledge
 };
+
+}  // namespace
+
+const char* proxy_op_name(uint32_t op) {
+  switch (op) {
+    case kOpDispatchSend: return "dispatch_send.begin";
+    case kOpDispatchSendEnd: return "dispatch_send.end";
+    case kOpDispatchRecv: return "dispatch_recv.begin";
+    case kOpDispatchRecvEnd: return "dispatch_recv.end";
+    case kOpCombineSend: return "combine_send.begin";
+    case kOpCombineSendEnd: return "combine_send.end";
+    case kOpCombineRecv: return "combine_recv.begin";
+    case kOpCombineRecvEnd: return "combine_recv.end";
+    default: return "unknown";
+  }
+}
+
+namespace {
 
 using Clock = std::chrono::steady_clock;
 // After a request the thread polls without pausing for this long (the next layer's request
@@ -50,12 +69,8 @@ void check_cuda(cudaError_t status, const char* what) {
 
 // The driver's cuStreamWaitValue32 (CUDA 12 ABI). Throws std::runtime_error.
 decltype(&cuStreamWaitValue32) stream_wait_entry() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault,
-                                       &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess || fn == nullptr) {
-    cudaGetLastError();
+  void* fn = driver_entry_point("cuStreamWaitValue32", 12000);
+  if (fn == nullptr) {
     throw std::runtime_error(
         "jax_moe cuda proxy: the CUDA driver has no cuStreamWaitValue32 for "
         "JAX_MOE_PROXY_WAIT=stream; set JAX_MOE_PROXY_WAIT=kernel");
@@ -205,6 +220,7 @@ ProxyRowsView CudaProxy::rows_view(const CommView& v) const {
 
 void CudaProxy::run() {
   uint64_t served = 0;
+  int64_t answered_at = -1;
   auto last_request = Clock::now();
   while (!stop_.load(std::memory_order_relaxed)) {
     const uint64_t request = __atomic_load_n(&doorbell_->request, __ATOMIC_ACQUIRE);
@@ -235,7 +251,9 @@ void CudaProxy::run() {
     const int64_t first_post = host_->first_post_ns;
     std::lock_guard<std::mutex> lock(samples_mutex_);
     if (samples_.size() < kMaxSamples)
-      samples_.push_back({op, first_post ? first_post - seen : -1, finished - seen});
+      samples_.push_back({op, first_post ? first_post - seen : -1, finished - seen,
+                          answered_at < 0 ? -1 : seen - answered_at});
+    answered_at = finished;
   }
 }
 

@@ -40,7 +40,14 @@ struct ProxySample {
   uint32_t op;
   int64_t seen_to_first_post_ns;  // doorbell seen -> first RMA write posted; -1 if none posted
   int64_t serve_ns;               // doorbell seen -> done reported
+  // The previous request answered -> this doorbell seen: the GPU's part between two requests
+  // (its kernels, and its wait for a time slice when processes share it); -1 for the first.
+  int64_t since_answer_ns;
 };
+
+// The name of a doorbell op ("dispatch_send.begin", ...; "unknown" for other values), so
+// the samples say which phase they timed without a second copy of the op codes.
+const char* proxy_op_name(uint32_t op);
 
 class CudaProxy {
  public:

@@ -1,6 +1,5 @@
 // NVLS: the gate and the multicast object of an AllReduce group (see multicast.h). The driver
-// is reached through cudaGetDriverEntryPointByVersion because libcuda is not linked
-// (ffi/native_cuda.h).
+// is reached through ffi/cuda/driver.h because libcuda is not linked.
 #include "ffi/cuda/multicast.h"
 
 #include <cuda.h>
@@ -13,6 +12,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "ffi/cuda/driver.h"
 #include "ffi/cuda/state.h"
 
 namespace jax_moe {
@@ -40,14 +40,8 @@ std::string nvls_refusal(int ordinal) {
     if (value != nullptr && std::strcmp(value, s.refusing_value) == 0)
       return std::string(s.name) + "=" + s.refusing_value + " is set";
   }
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  if (cudaGetDriverEntryPointByVersion("cuDeviceGetAttribute", &fn, 12000, cudaEnableDefault,
-                                       &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess || fn == nullptr) {
-    cudaGetLastError();
-    return "the CUDA driver has no cuDeviceGetAttribute";
-  }
+  void* fn = driver_entry_point("cuDeviceGetAttribute", 12000);
+  if (fn == nullptr) return "the CUDA driver has no cuDeviceGetAttribute";
   int sms = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinal) != cudaSuccess) {
     cudaGetLastError();
@@ -70,12 +64,8 @@ namespace {
 // Driver entry points of the multicast and virtual-memory calls (libcuda is not linked).
 template <typename Fn>
 Fn driver_entry(const char* name) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  if (cudaGetDriverEntryPointByVersion(name, &fn, 12010, cudaEnableDefault, &found) !=
-          cudaSuccess ||
-      found != cudaDriverEntryPointSuccess || fn == nullptr) {
-    cudaGetLastError();
+  void* fn = driver_entry_point(name, 12010);
+  if (fn == nullptr) {
     throw std::runtime_error(std::string("AllReduce(algorithm='nvls'): the CUDA driver has no ") +
                              name);
   }

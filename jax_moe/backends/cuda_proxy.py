@@ -92,6 +92,7 @@ class ProxyRanks(RankStates):
     self._native.host_destroy_rank(comm_id, ordinal)
 
   def proxy_samples(self) -> dict:
-    """{device ordinal: [(op, doorbell seen -> first remote write ns or -1, serve ns)]} of the
-    requests served since the last call (benchmarks/bench_host_remote.py --platform cuda)."""
+    """{device ordinal: [(op name, doorbell seen -> first remote write ns or -1, serve ns,
+    previous answer -> this doorbell ns or -1)]} of the requests served since the last call
+    (benchmarks/bench_host_remote.py --platform cuda)."""
     return {o: self._native.cuda_proxy_samples(self.comm_id, o) for o in self.ordinals}

@@ -31,6 +31,11 @@ def add_parser(commands) -> None:
                         help="run the shared experts (DeepSeek-V3's) between the halves of "
                              "each MoE layer's dispatch, while the routed rows travel; the "
                              "same tokens. Off by default: the gain is not measured yet")
+  generate.add_argument("--two-batch-overlap", action="store_true",
+                        help="run the batch as two micro-batches, one's layers while the "
+                             "other's dispatch travels (needs an even number of sequences per "
+                             "shard, else one batch). Off by default: the gain is not "
+                             "measured yet")
   generate.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel group size: attention heads, dense MLPs and "
                              "shared experts split over N devices, devices / N data-parallel "
@@ -131,13 +136,15 @@ def _build_model(args, reader, mesh):
   kwargs = dict(mesh=mesh, backend=args.backend, wire=args.wire,
                 expert_weights=args.expert_weights,
                 overlap_shared_experts=args.overlap_shared_experts,
+                two_batch_overlap=args.two_batch_overlap,
                 dtype={"bf16": jnp.bfloat16, "f32": jnp.float32}[args.dtype])
   if reader is None:
     return (models.tiny(args.model, seed=args.seed, **kwargs),
             f"{args.model} (embedded config, random weights, seed {args.seed})")
   model = models._build(reader.config, kwargs.pop("mesh"), None, kwargs["backend"],
                         kwargs["dtype"], kwargs["wire"], kwargs["expert_weights"],
-                        overlap_shared_experts=kwargs["overlap_shared_experts"])
+                        overlap_shared_experts=kwargs["overlap_shared_experts"],
+                        two_batch_overlap=kwargs["two_batch_overlap"])
   return loader.load_weights(model, reader, progress=distributed.is_primary()), args.model
 
 

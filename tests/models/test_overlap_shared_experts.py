@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import Var
 from jax.sharding import Mesh
 
 import jax_moe as jm
 from support import hf_tiny
+from support.jaxpr_deps import dependencies, holds, inner_eqns
 from jax_moe import cli, models
 from jax_moe.cli import generate
 from jax_moe.models import stages
@@ -45,15 +45,6 @@ def _tiny(mesh, backend, dtype=jnp.float32, wire=None, overlap=False):
                        overlap_shared_experts=overlap)
 
 
-def _prefill_and_step(model, ids):
-    """Logits of a full forward, and of a prefill then one cached step."""
-    B, S = ids.shape
-    full = models.forward(model, ids)
-    logits, cache = models.forward(model, ids[:, :-1], model.init_cache(B, S))
-    step, _ = models.forward(model, ids[:, -1:], cache)
-    return [np.asarray(a) for a in (full, logits, step)]
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_overlap_gives_the_same_logits_bit_for_bit(rng, backend, case):
     shape, dtype, wire = CASES[case]
@@ -63,7 +54,7 @@ def test_overlap_gives_the_same_logits_bit_for_bit(rng, backend, case):
     for overlap in (False, True):
         model = _tiny(mesh, backend, dtype, wire, overlap)
         assert model.cfg.overlap_shared_experts is overlap
-        got[overlap] = _prefill_and_step(model, ids)
+        got[overlap] = hf_tiny.prefill_and_step(model, ids)
         model.pool.check()
         model.pool.close()
     for off, on in zip(got[False], got[True]):
@@ -89,20 +80,6 @@ def test_overlap_outside_jit_gives_the_same_layer_output(rng, ep_mesh):
 
 # --- where the shared experts run in the traced program ---------------------------------
 
-def _inner_eqns(eqn):
-    """Every equation nested in eqn's sub-jaxprs (shard_map bodies, pjit, ...), recursively."""
-    for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-            jaxpr = getattr(sub, "jaxpr", sub)
-            for inner in getattr(jaxpr, "eqns", ()):
-                yield inner
-                yield from _inner_eqns(inner)
-
-
-def _holds(eqn, test):
-    return test(eqn) or any(test(inner) for inner in _inner_eqns(eqn))
-
-
 def _is_send(backend):
     """The exchange's send: the host backend's FFI target (the fused dispatch sends too); the
     xla backend's all_to_all in the dispatch scope (its dispatch_send moves the rows,
@@ -113,34 +90,20 @@ def _is_send(backend):
                       and stages.DISPATCH in str(e.source_info.name_stack))
 
 
-def _dependencies(jaxpr):
-    """For each top-level equation, the indices of the top-level equations it depends on."""
-    producer, deps = {}, []
-    for i, eqn in enumerate(jaxpr.eqns):
-        mine = set()
-        for v in eqn.invars:
-            if isinstance(v, Var) and v in producer:
-                mine |= {producer[v]} | deps[producer[v]]
-        deps.append(mine)
-        for v in eqn.outvars:
-            producer[v] = i
-    return deps
-
-
 def _placement(moe, x_bsd, backend):
     """(shared experts after the send, routed GEMMs after the shared experts, the FFI targets)
     in the traced program of one MoE layer."""
     jaxpr = jax.make_jaxpr(moe)(x_bsd).jaxpr
     eqns = jaxpr.eqns
-    deps = _dependencies(jaxpr)
+    deps = dependencies(jaxpr)
     is_dot = lambda e: e.primitive.name == "dot_general"  # noqa: E731
     shared = [i for i, e in enumerate(eqns)
-              if stages.SHARED_EXPERTS in str(e.source_info.name_stack) and _holds(e, is_dot)]
-    sends = [i for i, e in enumerate(eqns) if _holds(e, _is_send(backend))]
+              if stages.SHARED_EXPERTS in str(e.source_info.name_stack) and holds(e, is_dot)]
+    sends = [i for i, e in enumerate(eqns) if holds(e, _is_send(backend))]
     routed = [i for i, e in enumerate(eqns)
-              if _holds(e, lambda e: e.primitive.name.startswith("ragged_dot"))]
+              if holds(e, lambda e: e.primitive.name.startswith("ragged_dot"))]
     assert shared and sends and routed, (shared, sends, routed)
-    targets = {inner.params["target"] for e in eqns for inner in (e, *_inner_eqns(e))
+    targets = {inner.params["target"] for e in eqns for inner in (e, *inner_eqns(e))
                if "target" in inner.params}
     return (all(set(sends) & deps[i] for i in shared),
             all(set(shared) & deps[i] for i in routed), targets)

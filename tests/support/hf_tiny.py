@@ -54,6 +54,18 @@ def random_ids(rng: np.random.Generator, batch: int, seq: int, vocab: int) -> np
   return rng.integers(0, vocab, size=(batch, seq), dtype=np.int32)
 
 
+def prefill_and_step(model, ids: np.ndarray) -> list[np.ndarray]:
+  """f32 logits of a jax_moe model's full forward, and of a prefill of all but the last
+  token then one cached step (the option tests compare these with the option on and off)."""
+  from jax_moe import models
+
+  B, S = ids.shape
+  full = models.forward(model, ids)
+  logits, cache = models.forward(model, ids[:, :-1], model.init_cache(B, S))
+  step, _ = models.forward(model, ids[:, -1:], cache)
+  return [np.asarray(a, np.float32) for a in (full, logits, step)]
+
+
 def hf_logits(model, ids: np.ndarray) -> np.ndarray:
   with torch.no_grad():
     return model(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
