@@ -119,6 +119,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="layers of the parity check's twins (default: --layers); the check is of "
                       "the exchange, so 1 tells the same at a realistic shape for a fraction "
                       "of the build and compile (an f32 twin of dsv3-ep8-share is 34 GB)")
+  p.add_argument("--parity-batch", type=int, default=None,
+                 help="batch of the parity check (default: the first --batch); the f32 twins "
+                      "run their experts through jax.lax.ragged_dot, which at qwen3-235b-shape "
+                      "and batch 128 asks for 64 GiB (seen at 9ae817c on one H200)")
   p.add_argument("--bf16-parity", action=argparse.BooleanOptionalAction, default=True,
                  help="after the f32 twins' check, also record the bf16 models' logits gap "
                       "(one more build and compile per backend; --no-bf16-parity saves them "
@@ -188,7 +192,7 @@ def _prompt(model, batch, prompt_len, seed):
 def check_backends(name, mesh, backends, args, batch) -> dict:
   """Prefill logits of each backend against the first: f32 exact twins, then the bf16 models."""
   layers = args.parity_layers or args.layers
-  parity = {"tolerance": PARITY_TOLERANCE, "reference_backend": backends[0],
+  parity = {"tolerance": PARITY_TOLERANCE, "reference_backend": backends[0], "batch": batch,
             "layers": model_config(name, layers)["num_hidden_layers"]}
   twins = [(jnp.float32, "exact", "f32_exact")]
   if args.bf16_parity:
@@ -512,7 +516,8 @@ def main(argv=None) -> int:
 
   for name in args.models:
     try:
-      parity[name] = check_backends(name, mesh, backends, args, batches[0])
+      parity[name] = check_backends(name, mesh, backends, args,
+                                    args.parity_batch or batches[0])
     except NotImplementedError as e:  # a registered model class missing from this build
       results.append({"label": name, "model": name, "status": "skipped", "reason": str(e)})
       continue

@@ -89,7 +89,7 @@ for r in d['results']: print(r['label'], json.dumps(r.get('stages'))[:600])" \
       # REALISTIC_S sets the step's limit (default 500 s), REALISTIC_ARGS adds arguments
       step bench_decode_realistic "${REALISTIC_S:-500}" python3 benchmarks/bench_decode.py \
         --models "${REALISTIC_MODELS:-dsv3-ep8-share,qwen3-235b-shape}" --batch 128 \
-        --backends xla,cuda --reps 3 --no-bf16-parity --parity-layers 1 \
+        --backends xla,cuda --reps 3 --no-bf16-parity --parity-layers 1 --parity-batch 8 \
         --budget-s 3 --out "$logs/results-realistic" --git-commit "${GIT_COMMIT:-unknown}" \
         ${REALISTIC_ARGS:-}
       tail -8 "$logs/bench_decode_realistic.log" ;;

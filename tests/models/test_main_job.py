@@ -41,9 +41,11 @@ def test_generate_command_reports_a_bad_checkpoint(tmp_path):
 def test_bench_decode_checks_backends_and_writes_results(tmp_path):
   done = _run([str(REPO / "benchmarks" / "bench_decode.py"), "--models", "tiny-qwen3-moe",
                "--batch", "8", "--prompt-len", "4", "--steps", "6", "--short-steps", "1",
-               "--reps", "1", "--copy-mib", "16", "--out", str(tmp_path)], tmp_path)
+               "--reps", "1", "--copy-mib", "16", "--parity-batch", "16", "--out", str(tmp_path)],
+              tmp_path)
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
   payload = json.loads((tmp_path / "decode_cpu-x8.json").read_text())
+  assert payload["parity"]["tiny-qwen3-moe"]["batch"] == 16  # not the timed batch
   assert (tmp_path / "decode_cpu-x8.png").stat().st_size > 0
   assert (tmp_path / "decode_cpu-x8_stages.png").stat().st_size > 0
   assert payload["parity"]["tiny-qwen3-moe"]["ok"]
