@@ -128,8 +128,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "(one more build and compile per backend; --no-bf16-parity saves them "
                       "where a realistic shape must fit a time limit)")
   p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True,
-                 help="profile a few decode steps: kernel time per stage (attention, router, "
-                      "dispatch, experts, combine, ...) into the JSON and a stacked-bar PNG")
+                 help="profile a few decode steps and one prefill: kernel time per stage "
+                      "(attention, router, dispatch, experts, combine, ...) into the JSON and, "
+                      "for the decode steps, a stacked-bar PNG")
   p.add_argument("--jax-user-peer", action=argparse.BooleanOptionalAction, default=True,
                  help="also time the model with the xla exchange and lax.ragged_dot experts "
                       "(what a JAX user has today; only where tokamax is the default GEMM, "
@@ -276,9 +277,15 @@ def time_prefill(model, mesh, args, batch, state, ids, prefill, prefill_loop) ->
   work = flops.prefill_flops(model, batch, args.prompt_len)
   per_s = work["total"] / mesh.devices.size / (prefill_time["median_us"] * 1e-6)  # a device's
   peak = flops.bf16_peak_flops(mesh.devices.flat[0].device_kind)
+  stages = None
+  if args.stages:  # kernel time per stage of one prefill, as for the decode steps
+    profiled = stage_profile.jit_for_profile(prefill_loop)
+    compiled = profiled.lower(state, ids, 1).compile()
+    stages = stage_profile.profile_stages(lambda: profiled(state, ids, 1), compiled, 1)
+    stages["gaps_us"] = prefill_time["median_us"] - stages["total_us"]
   return {"time": prefill_time, "wall": summarize(prefill_wall_us), "flops": work,
           "tflops_per_device": per_s / 1e12,
-          "fraction_of_bf16_peak": None if peak is None else per_s / peak}
+          "fraction_of_bf16_peak": None if peak is None else per_s / peak, "stages": stages}
 
 
 def time_model(name, mesh, backend, args, batch, read, prefill_may_fail=False,

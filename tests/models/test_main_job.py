@@ -61,6 +61,9 @@ def test_bench_decode_checks_backends_and_writes_results(tmp_path):
     assert prefill["time"]["median_us"] > 0 and prefill["wall"]["median_us"] > 0
     assert prefill["flops"]["total"] > prefill["flops"]["routed_experts"] > 0
     assert prefill["tflops_per_device"] > 0 and prefill["fraction_of_bf16_peak"] is None
+    prefill_stages = prefill["stages"]["stages_us"]  # one profiled prefill, by named scope
+    for stage in ("attention", "router", "dispatch", "experts", "combine"):
+      assert prefill_stages[stage] > 0, (stage, prefill_stages)
     per_stage = result["stages"]["stages_us"]  # the profiled steps, charged by named scope
     for stage in ("attention", "router", "dispatch", "experts", "combine", "dense_mlp"):
       assert per_stage[stage] > 0, (stage, per_stage)
