@@ -154,7 +154,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--prefill-calls must be >= 2, got {args.prefill_calls}")
   if args.batch is not None and (not args.batch or min(args.batch) < 1):
     p.error(f"--batch takes positive integers like 32,128, got {args.batch}")
-  for name in ("layers", "parity_layers"):
+  for name in ("layers", "parity_layers", "parity_batch"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   return args

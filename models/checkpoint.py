@@ -13,6 +13,11 @@ Sources:
   Tensor(name, transpose=False)   one tensor; transpose=True for torch nn.Linear weights
                                   ([out, in] in the checkpoint, [in, out] as a parameter);
                                   `linear(prefix)` is Tensor(prefix + ".weight", transpose=True).
+  HeadRows(name, heads, first_row, num_rows)
+                                  per-head [in, num_rows] blocks of one nn.Linear weight whose
+                                  [heads * rows_per_head, in] rows go head by head (MLA's
+                                  kv_b_proj: each head's N key rows, then its V value rows), as a
+                                  head-major parameter [heads, in, num_rows].
   StackedExperts(per_expert, num_experts, fused=..., fused_part=..., fused_parts=...)
                                   [E, in, out] from per-expert Linear weights
                                   `per_expert.format(e=e)` ([out, in] each), or from one fused
@@ -66,6 +71,37 @@ class Tensor:
 def linear(prefix: str) -> Tensor:
   """The weight of a torch nn.Linear named `prefix`, as an [in, out] parameter."""
   return Tensor(prefix + ".weight", transpose=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadRows:
+  name: str        # e.g. "model.layers.0.self_attn.kv_b_proj.weight"
+  heads: int
+  first_row: int   # within a head's rows
+  num_rows: int
+
+  def names(self, reader) -> list[str]:
+    return [self.name]
+
+  def _rows_per_head(self, reader) -> int:
+    rows = reader.shape(self.name)[0]
+    if rows % self.heads or self.first_row + self.num_rows > rows // self.heads:
+      raise CheckpointError(f"{self.name}: {rows} rows do not hold {self.heads} heads with rows "
+                            f"[{self.first_row}, {self.first_row + self.num_rows}) each")
+    return rows // self.heads
+
+  def shape(self, reader) -> tuple[int, ...]:
+    self._rows_per_head(reader)
+    return (self.heads, reader.shape(self.name)[1], self.num_rows)
+
+  def read(self, reader, index) -> np.ndarray:
+    per_head = self._rows_per_head(reader)
+    h0, h1 = _bounds(index[0], self.heads)
+    r0, r1 = _bounds(index[2], self.num_rows)
+    # the whole rows of heads [h0, h1) are one contiguous block of the checkpoint tensor
+    w_hri = reader.read(self.name, (slice(h0 * per_head, h1 * per_head), index[1]))
+    w_hri = w_hri.reshape(h1 - h0, per_head, -1)[:, self.first_row + r0:self.first_row + r1]
+    return np.swapaxes(w_hri, 1, 2)
 
 
 @dataclasses.dataclass(frozen=True)

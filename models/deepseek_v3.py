@@ -18,8 +18,8 @@ from flax import nnx
 
 from jax_moe.models import layers, stages
 from jax_moe.models.base import Cache, CausalLM
-from jax_moe.models.checkpoint import (CheckpointError, Tensor, dense_mlp_sources, linear,
-                                       routed_expert_sources)
+from jax_moe.models.checkpoint import (CheckpointError, HeadRows, Tensor, dense_mlp_sources,
+                                       linear, routed_expert_sources)
 from jax_moe.models.mla import MLAConfig, MultiHeadLatentAttention, init_mla_cache
 from jax_moe.models.moe import RoutedExperts
 from jax_moe.models.sharding import ShardingRules, param
@@ -276,8 +276,14 @@ class DeepseekV3ForCausalLM(CausalLM):
 
 
 def _attention_sources(attn: MultiHeadLatentAttention, path: tuple, prefix: str) -> dict:
-  """Every Linear (w, and b where present) and RMSNorm of one MLA under its HF name."""
-  sources = {}
+  """Every Linear (w, and b where present) and RMSNorm of one MLA under its HF name, and
+  kv_b_proj's two head-major parts from its one weight (each head's N key rows, then V)."""
+  cfg = attn.cfg
+  kv_b = f"{prefix}.kv_b_proj.weight"
+  sources = {
+      (*path, "kv_b_proj", "w_uk_hcn"): HeadRows(kv_b, cfg.num_heads, 0, cfg.qk_nope_head_dim),
+      (*path, "kv_b_proj", "w_uv_hcv"): HeadRows(kv_b, cfg.num_heads, cfg.qk_nope_head_dim,
+                                                 cfg.v_head_dim)}
   for name, module in vars(attn).items():
     if isinstance(module, layers.Linear):
       sources[(*path, name, "w")] = Tensor(f"{prefix}.{name}.weight", transpose=True)

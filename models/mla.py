@@ -14,6 +14,12 @@ the static shapes by counting multiply-adds (`uses_absorbed`):
   expanded: k and v are computed for every key once, O(S * H * C * (N + V)), and attention
     costs O(T * S * H * (N + R + V)): cheaper when many queries share the keys (prefill).
 
+kv_b_proj is kept head-major and split, as W_uk [H, C, N] and W_uv [H, C, V] (HF stores it as
+one [H * (N + V), C] Linear): both einsums then take each head's weights as stored, with heads
+as their batch dimension. From the one [C, H * (N + V)] weight every decode step needed slices
+of it with the heads moved major, and a 16.5 us slice fusion a layer showed in the step's
+profile at DeepSeek-V3's shape (results/decode-realistic-a9ed175/), most likely that copy.
+
 Tensor parallelism splits the heads: q_proj / q_b_proj and kv_b_proj are column-parallel
 (whole heads per rank), o_proj row-parallel and summed over tp; the latent projections
 (q_a_proj, kv_a_proj_with_mqa, their norms) and so the cache are replicated over tp, every
@@ -35,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_moe.models import yarn
 from jax_moe.models.layers import Linear, RMSNorm, row_parallel
-from jax_moe.models.sharding import ShardingRules
+from jax_moe.models.sharding import ShardingRules, param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +95,17 @@ def _masked_softmax(scores_bhts: jax.Array, visible_bts: jax.Array) -> jax.Array
   return jax.nn.softmax(scores_bhts, axis=-1)
 
 
+class LatentUpProjection(nnx.Module):
+  """kv_b_proj as its two per-head parts: keys' w_uk_hcn [H, C, N] and values' w_uv_hcv
+  [H, C, V] (k_nope_h = c W_uk_h, v_h = c W_uv_h), heads sharded over tp."""
+
+  def __init__(self, cfg: "MLAConfig", *, rules: ShardingRules, dtype: Any):
+    shape = lambda n: (cfg.num_heads, cfg.kv_lora_rank, n)
+    axes = ("heads", "kv_lora", None)
+    self.w_uk_hcn = param(rules, shape(cfg.qk_nope_head_dim), axes, dtype)
+    self.w_uv_hcv = param(rules, shape(cfg.v_head_dim), axes, dtype)
+
+
 class MultiHeadLatentAttention(nnx.Module):
   """Projections named as in Hugging Face (layers.Linear: w [in, out]); the per-head ones
   sharded over tp (module docstring), attention data-parallel over the batch. `pool`: the
@@ -115,8 +132,7 @@ class MultiHeadLatentAttention(nnx.Module):
                                      ("embed", "kv_lora"), cfg.attention_bias)
     self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, rules=rules, dtype=dtype,
                                   logical_axis="kv_lora")
-    self.kv_b_proj = linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                            ("kv_lora", "heads"), False)
+    self.kv_b_proj = LatentUpProjection(cfg, rules=rules, dtype=dtype)
     self.o_proj = linear(heads * cfg.v_head_dim, cfg.hidden_size, ("heads", "embed"),
                          cfg.attention_bias)
 
@@ -140,11 +156,6 @@ class MultiHeadLatentAttention(nnx.Module):
     k_rope_btr = yarn.apply_rope(kv_btl[..., None, cfg.kv_lora_rank:], cos_btf, sin_btf,
                                  cfg.rope.interleaved)[:, :, 0]
     return latent_btc, k_rope_btr
-
-  def _kv_b_chx(self):
-    cfg = self.cfg
-    return self.kv_b_proj.w[...].reshape(cfg.kv_lora_rank, -1,
-                                         cfg.qk_nope_head_dim + cfg.v_head_dim)
 
   def uses_absorbed(self, num_queries: int, num_keys: int) -> bool:
     """Whether T queries over S keys take fewer multiply-adds absorbed than expanded.
@@ -193,8 +204,7 @@ class MultiHeadLatentAttention(nnx.Module):
     cos_btf, sin_btf = yarn.rope_cos_sin(positions_bt, cfg.rope)
     q_nope_bthn, q_rope_bthr = self._queries(x_btd, cos_btf, sin_btf)
     latent_btc, k_rope_btr = self._latents(x_btd, cos_btf, sin_btf)
-    kv_b_chx = self._kv_b_chx()
-    w_uk_chn, w_uv_chv = kv_b_chx[..., :cfg.qk_nope_head_dim], kv_b_chx[..., cfg.qk_nope_head_dim:]
+    w_uk_hcn, w_uv_hcv = self.kv_b_proj.w_uk_hcn[...], self.kv_b_proj.w_uv_hcv[...]
 
     if cache is None:
       keys_latent_bsc, keys_rope_bsr = latent_btc, k_rope_btr
@@ -215,15 +225,15 @@ class MultiHeadLatentAttention(nnx.Module):
     f32 = dict(preferred_element_type=jnp.float32)
     scores_bhts = jnp.einsum("bthr,bsr->bhts", q_rope_bthr, keys_rope_bsr, **f32)
     if self.uses_absorbed(x_btd.shape[1], keys_latent_bsc.shape[1]):
-      q_latent_bthc = jnp.einsum("bthn,chn->bthc", q_nope_bthn, w_uk_chn)
+      q_latent_bthc = jnp.einsum("bthn,hcn->bthc", q_nope_bthn, w_uk_hcn)
       scores_bhts += jnp.einsum("bthc,bsc->bhts", q_latent_bthc, keys_latent_bsc, **f32)
       probs_bhts = _masked_softmax(scores_bhts * cfg.softmax_scale, visible_bts)
       out_bthc = jnp.einsum("bhts,bsc->bthc", probs_bhts.astype(keys_latent_bsc.dtype),
                             keys_latent_bsc)
-      out_bthv = jnp.einsum("bthc,chv->bthv", out_bthc, w_uv_chv)
+      out_bthv = jnp.einsum("bthc,hcv->bthv", out_bthc, w_uv_hcv)
     else:
-      k_nope_bshn = jnp.einsum("bsc,chn->bshn", keys_latent_bsc, w_uk_chn)
-      v_bshv = jnp.einsum("bsc,chv->bshv", keys_latent_bsc, w_uv_chv)
+      k_nope_bshn = jnp.einsum("bsc,hcn->bshn", keys_latent_bsc, w_uk_hcn)
+      v_bshv = jnp.einsum("bsc,hcv->bshv", keys_latent_bsc, w_uv_hcv)
       scores_bhts += jnp.einsum("bthn,bshn->bhts", q_nope_bthn, k_nope_bshn, **f32)
       probs_bhts = _masked_softmax(scores_bhts * cfg.softmax_scale, visible_bts)
       out_bthv = jnp.einsum("bhts,bshv->bthv", probs_bhts.astype(v_bshv.dtype), v_bshv)

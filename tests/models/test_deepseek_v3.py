@@ -99,7 +99,13 @@ def _load_linear(linear, hf_linear):
 
 def _load_attention(ours, theirs):
   for name, module in theirs.named_children():
-    if isinstance(module, torch.nn.Linear):
+    if name == "kv_b_proj":  # [H * (N + V), C]: per head its N key rows, then its V rows
+      cfg = ours.cfg
+      w_hxc = _np(module.weight).reshape(cfg.num_heads, -1, cfg.kv_lora_rank)
+      n = cfg.qk_nope_head_dim
+      ours.kv_b_proj.w_uk_hcn.set_value(jnp.asarray(w_hxc[:, :n].transpose(0, 2, 1)))
+      ours.kv_b_proj.w_uv_hcv.set_value(jnp.asarray(w_hxc[:, n:].transpose(0, 2, 1)))
+    elif isinstance(module, torch.nn.Linear):
       _load_linear(getattr(ours, name), module)
     elif isinstance(module, hf.DeepseekV3RMSNorm):
       getattr(ours, name).weight.set_value(jnp.asarray(_np(module.weight)))
@@ -560,5 +566,5 @@ def test_full_size_model_maps_onto_deepseek_v3_checkpoint_names(ep_mesh):
   assert [layer.is_moe for layer in model.layers[:4]] == [False, False, False, True]
   experts = model.layers[3].mlp.experts.w_gate_edf.get_value()
   assert experts.shape == (256, 7168, 2048) and experts.sharding.spec[0] == "ep"
-  assert model.layers[3].self_attn.kv_b_proj.w.get_value().sharding.is_fully_replicated
+  assert model.layers[3].self_attn.kv_b_proj.w_uk_hcn.get_value().sharding.is_fully_replicated
   assert model.layers[3].mlp.gate.w_de.get_value().dtype == jnp.float32

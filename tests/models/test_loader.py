@@ -84,3 +84,43 @@ def test_registered_class_missing_from_build(monkeypatch):
   monkeypatch.setitem(base.MODEL_TYPES, "qwen3_moe", ("jax_moe.models.no_such_module", "X"))
   with pytest.raises(NotImplementedError, match="not available in this build"):
     base.model_class("qwen3_moe")
+
+
+class _ArrayReader:
+  """A checkpoint reader over numpy arrays in memory."""
+
+  def __init__(self, arrays):
+    self.arrays = arrays
+
+  def has(self, name):
+    return name in self.arrays
+
+  def shape(self, name):
+    return self.arrays[name].shape
+
+  def read(self, name, index):
+    return self.arrays[name][index]
+
+
+def test_head_rows_take_each_heads_block_head_major(rng):
+  """MLA's kv_b_proj [H * (N + V), C]: a head's N key rows then its V value rows; HeadRows
+  gives [H, C, rows] and reads a device's heads and rows only."""
+  from jax_moe.models.checkpoint import CheckpointError, HeadRows
+
+  heads, n, v, c = 4, 3, 5, 6
+  w = rng.normal(size=(heads * (n + v), c)).astype(np.float32)
+  reader = _ArrayReader({"kv_b.weight": w})
+  keys, values = HeadRows("kv_b.weight", heads, 0, n), HeadRows("kv_b.weight", heads, n, v)
+  assert keys.shape(reader) == (heads, c, n) and values.shape(reader) == (heads, c, v)
+  everything = (slice(None),) * 3
+  for h in range(heads):
+    rows = w[h * (n + v):(h + 1) * (n + v)]
+    np.testing.assert_array_equal(keys.read(reader, everything)[h], rows[:n].T)
+    np.testing.assert_array_equal(values.read(reader, everything)[h], rows[n:].T)
+  part = (slice(1, 3), slice(2, 5), slice(1, 4))  # heads 1-2, latent dims 2-4, value rows 1-3
+  np.testing.assert_array_equal(values.read(reader, part),
+                                values.read(reader, everything)[part])
+  with pytest.raises(CheckpointError, match=r"32 rows do not hold 4 heads with rows \[3, 12\)"):
+    HeadRows("kv_b.weight", heads, 3, 9).shape(reader)  # 8 rows a head
+  with pytest.raises(CheckpointError, match=r"30 rows do not hold 4 heads"):
+    keys.shape(_ArrayReader({"kv_b.weight": w[:30]}))

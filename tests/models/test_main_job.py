@@ -210,6 +210,8 @@ def test_bench_decode_f32_parity_of_one_layer_without_the_bf16_twins():
                                   "--parity-layers", "1"])
   parity = bench_decode.check_backends("tiny-qwen3-moe", mesh, ["xla", "xla"], args, 4)
   assert parity["ok"] and parity["layers"] == 1 and parity["f32_exact"] == {"xla": 0.0}
-  assert set(parity) == {"tolerance", "reference_backend", "layers", "f32_exact", "ok"}
-  with pytest.raises(SystemExit):
-    bench_decode.parse_args(["--parity-layers", "0"])
+  assert set(parity) == {"tolerance", "reference_backend", "batch", "layers", "f32_exact", "ok"}
+  assert parity["batch"] == 4
+  for bad in (["--parity-layers", "0"], ["--parity-batch", "0"]):
+    with pytest.raises(SystemExit):
+      bench_decode.parse_args(bad)
