@@ -99,7 +99,7 @@ class LatentUpProjection(nnx.Module):
   """kv_b_proj as its two per-head parts: keys' w_uk_hcn [H, C, N] and values' w_uv_hcv
   [H, C, V] (k_nope_h = c W_uk_h, v_h = c W_uv_h), heads sharded over tp."""
 
-  def __init__(self, cfg: "MLAConfig", *, rules: ShardingRules, dtype: Any):
+  def __init__(self, cfg: MLAConfig, *, rules: ShardingRules, dtype: Any):
     shape = lambda n: (cfg.num_heads, cfg.kv_lora_rank, n)
     axes = ("heads", "kv_lora", None)
     self.w_uk_hcn = param(rules, shape(cfg.qk_nope_head_dim), axes, dtype)
