@@ -264,6 +264,16 @@ def out_of_memory(e: Exception) -> bool:
   return isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
 
 
+def profile_loop(jitted, args_before_n: tuple, n: int, median_us: float) -> dict:
+  """Kernel time per stage of one call `jitted(*args_before_n, n)` (n steps of its loop),
+  with the step time not spent in a kernel (`gaps_us`, against the timed `median_us`)."""
+  profiled = stage_profile.jit_for_profile(jitted)
+  compiled = profiled.lower(*args_before_n, n).compile()
+  stages = stage_profile.profile_stages(lambda: profiled(*args_before_n, n), compiled, n)
+  stages["gaps_us"] = median_us - stages["total_us"]
+  return stages
+
+
 def time_prefill(model, mesh, args, batch, state, ids, prefill, prefill_loop) -> dict:
   """Wall time of single prefills and device time of chained ones, with the model FLOPs."""
   prefill_wall_us = []
@@ -277,12 +287,9 @@ def time_prefill(model, mesh, args, batch, state, ids, prefill, prefill_loop) ->
   work = flops.prefill_flops(model, batch, args.prompt_len)
   per_s = work["total"] / mesh.devices.size / (prefill_time["median_us"] * 1e-6)  # a device's
   peak = flops.bf16_peak_flops(mesh.devices.flat[0].device_kind)
-  stages = None
-  if args.stages:  # kernel time per stage of one prefill, as for the decode steps
-    profiled = stage_profile.jit_for_profile(prefill_loop)
-    compiled = profiled.lower(state, ids, 1).compile()
-    stages = stage_profile.profile_stages(lambda: profiled(state, ids, 1), compiled, 1)
-    stages["gaps_us"] = prefill_time["median_us"] - stages["total_us"]
+  # kernel time per stage of one prefill, as for the decode steps
+  stages = (profile_loop(prefill_loop, (state, ids), 1, prefill_time["median_us"])
+            if args.stages else None)
   return {"time": prefill_time, "wall": summarize(prefill_wall_us), "flops": work,
           "tflops_per_device": per_s / 1e12,
           "fraction_of_bf16_peak": None if peak is None else per_s / peak, "stages": stages}
@@ -331,11 +338,8 @@ def time_model(name, mesh, backend, args, batch, read, prefill_may_fail=False,
     floor["step_over_floor"] = timing["median_us"] / floor["hbm_floor_us"]
   stages = None
   if args.stages:  # kernel time per stage of a few steps, from a profiler trace
-    n = min(args.steps, 8)
-    profiled = stage_profile.jit_for_profile(decode)
-    compiled = profiled.lower(state, token_b, cache, n).compile()
-    stages = stage_profile.profile_stages(lambda: profiled(state, token_b, cache, n), compiled, n)
-    stages["gaps_us"] = timing["median_us"] - stages["total_us"]  # the step not in a kernel
+    stages = profile_loop(decode, (state, token_b, cache), min(args.steps, 8),
+                          timing["median_us"])
     report.progress(f"{label}: stages profiled")
   model.pool.check()
   model.pool.close()

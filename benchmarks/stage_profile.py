@@ -152,7 +152,6 @@ def profile_stages(run, compiled, steps: int, top_n: int = 12) -> dict:
   by_kernel = kernel_names(by_name)
   events = _device_events(traced(run), module)
   devices = max(1, len({device for device, _, _ in events}))
-  totals = collections.Counter()
   unmatched = collections.Counter()
   by_op = collections.defaultdict(collections.Counter)  # stage -> instruction -> ns
   count = collections.Counter()  # (stage, instruction) -> events
@@ -161,11 +160,10 @@ def profile_stages(run, compiled, steps: int, top_n: int = 12) -> dict:
     if not matched:
       unmatched[op] += ns
     if stage is not None:
-      totals[stage] += ns
       by_op[stage][op] += ns
       count[stage, op] += 1
   scale = 1e-3 / (steps * devices)
-  per_stage = {s: totals.get(s, 0) * scale for s in (*stages.STAGES, stages.OTHER)}
+  per_stage = {s: sum(by_op[s].values()) * scale for s in (*stages.STAGES, stages.OTHER)}
   top = {s: [[op, ns * scale, count[s, op] / (steps * devices)]
              for op, ns in by_op[s].most_common(top_n)] for s in per_stage if by_op[s]}
   return {"stages_us": per_stage, "total_us": sum(per_stage.values()),
