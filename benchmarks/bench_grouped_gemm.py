@@ -65,6 +65,14 @@ SHAPES = {
     "prefill-dsv3-ep8": (32768, 32, 7168, 2048, "prefill"),  # an EP8 share
     "decode-qwen3-ep8": (1024, 16, 4096, 1536, "decode"),   # Qwen3-235B EP8 share
     "prefill-qwen3-ep8": (32768, 16, 4096, 1536, "prefill"),
+    # what a decode step of the issue-16 model (DeepSeek-V3 at EP8's share, batch 128) runs:
+    # gate or up, down, gate and up as one GEMM over weights stored side by side, and the
+    # shared expert's gate (one group: tokamax against XLA's GEMM, "einsum") and down
+    "decode-dsv3-ep8": (1024, 32, 7168, 2048, "decode"),
+    "decode-dsv3-ep8-down": (1024, 32, 2048, 7168, "decode"),
+    "decode-dsv3-ep8-gateup": (1024, 32, 7168, 4096, "decode"),
+    "decode-dsv3-shared": (128, 1, 7168, 2048, "decode"),
+    "decode-dsv3-shared-down": (128, 1, 2048, 7168, "decode"),
 }
 QUICK_SHAPES = {
     "decode-tiny": (64, 8, 256, 128, "decode"),
@@ -98,6 +106,10 @@ SWEEP = {
         "m64n128k64s6 M-minor w1": _C(64, 128, 64, 6, False, 0, 1),
         "m64n256k64s4 M-minor w1": _C(64, 256, 64, 4, False, 0, 1),
         "m64n128k128s4 persistent M-minor w1": _C(64, 128, 128, 4, True, 0, 1),
+        "m64n64k128s6 M-minor w1": _C(64, 64, 128, 6, False, 0, 1),
+        "m64n128k64s8 M-minor w1": _C(64, 128, 64, 8, False, 0, 1),
+        "m64n64k256s3 M-minor w1": _C(64, 64, 256, 3, False, 0, 1),
+        "m64n64k128s6 persistent M-minor w1": _C(64, 64, 128, 6, True, 0, 1),
     },
 }
 # tokamax's sm90 quantized kernel: block_n comes from the output dtype (grouped_gemm); block_k
