@@ -234,7 +234,7 @@ def decode_program(model, batch, prompt_len, max_len):
   @jax.jit
   def prefill(state, ids_bs):
     model = nnx.merge(graphdef, state)
-    logits_bsv, cache = model(ids_bs, cache=model.init_cache(batch, max_len))
+    logits_bsv, cache = model(ids_bs, cache=model.init_cache(batch, max_len), logits_to_keep=1)
     return jnp.argmax(logits_bsv[:, -1], -1).astype(jnp.int32), cache
 
   @jax.jit

@@ -33,11 +33,13 @@ and implements:
       every parameter path (as in `nnx.to_flat_state(nnx.state(model, nnx.Param))`) to a
       `checkpoint.Tensor` / `checkpoint.StackedExperts`; the loader checks that the map
       covers every parameter, that each tensor exists and that the shapes agree.
-  __call__(self, input_ids_bs, *, cache=None)
+  __call__(self, input_ids_bs, *, cache=None, logits_to_keep=0)
       input_ids [B, S] int32. Without a cache: logits [B, S, V] (f32) of a full causal
       forward from position 0. With a cache (from `init_cache`): the tokens sit at positions
       [cache.index, cache.index + S); returns (logits [B, S, V], updated cache with index
-      advanced by S). Batch is data-parallel over the data-parallel axis
+      advanced by S). `logits_to_keep` = n > 0 gives the logits of the last n positions only
+      ([B, n, V]; transformers' argument of that name): a prefill that samples one token
+      needs 1, and skips the LM head's GEMM over the other positions. Batch is data-parallel over the data-parallel axis
       (`rules.constrain(x, "batch", ...)`), attention heads and dense MLPs split over the
       tensor-parallel axis when there is one, experts sharded over both.
   init_cache(self, batch, max_len) -> Cache
@@ -181,15 +183,23 @@ class CausalLM(nnx.Module):
       new_layers.append(layer_cache)
     return x_bsd, tuple(new_layers)
 
-  def final_logits(self, x_bsd, embed, cache: Cache | None, new_layers: tuple):
-    """Final norm and LM head (tied to `embed` when lm_head is None): f32 logits, and the
-    cache advanced past the new tokens when there is one."""
+  def final_logits(self, x_bsd, embed, cache: Cache | None, new_layers: tuple,
+                   logits_to_keep: int = 0):
+    """Final norm and LM head (tied to `embed` when lm_head is None): f32 logits of the last
+    `logits_to_keep` positions (all when 0), and the cache advanced past the new tokens when
+    there is one."""
+    seq = x_bsd.shape[1]
+    if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+      raise ValueError(f"logits_to_keep must be an int >= 0 (0: every position), got "
+                       f"{logits_to_keep!r}")
+    if logits_to_keep:  # before the norm: the rows dropped are never normalized either
+      x_bsd = x_bsd[:, max(seq - logits_to_keep, 0):]
     x_bsd = self.norm(x_bsd)
     logits = embed.attend(x_bsd) if self.lm_head is None else self.lm_head(x_bsd)
     logits = logits.astype(jnp.float32)
     if cache is None:
       return logits
-    return logits, Cache(layers=new_layers, index=cache.index + x_bsd.shape[1])
+    return logits, Cache(layers=new_layers, index=cache.index + seq)
 
   def trunk_checkpoint_map(self) -> dict:
     """Sources of embed_tokens, norm and lm_head, under their Hugging Face names."""

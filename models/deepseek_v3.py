@@ -225,13 +225,13 @@ class DeepseekV3ForCausalLM(CausalLM):
   config_class = DeepseekV3Config
   layer_class = DecoderLayer
 
-  def __call__(self, input_ids_bs, *, cache: Cache | None = None):
+  def __call__(self, input_ids_bs, *, cache: Cache | None = None, logits_to_keep: int = 0):
     index, positions_bs = self.token_positions(input_ids_bs, cache)
     x_bsd, new_layers = self.run_layers(
         self.embed_tokens(input_ids_bs), cache, (positions_bs,),
         lambda layer, x_bsd, layer_cache, per_token, slot: layer.steps(
             x_bsd, *per_token, layer_cache, index, slot))
-    return self.final_logits(x_bsd, self.embed_tokens, cache, new_layers)
+    return self.final_logits(x_bsd, self.embed_tokens, cache, new_layers, logits_to_keep)
 
   def layout(self) -> str:
     overlap = self.cfg.overlap_shared_experts

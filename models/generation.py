@@ -22,18 +22,21 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
-def forward(model, input_ids_bs, cache=None):
-  """model(input_ids, cache=cache), jit-compiled: one compile per model and shape instead of
-  op-by-op dispatch. Builds the communicators the call needs first (outside jit)."""
+def forward(model, input_ids_bs, cache=None, logits_to_keep: int = 0):
+  """model(input_ids, cache=cache, logits_to_keep=...), jit-compiled: one compile per model
+  and shape instead of op-by-op dispatch. Builds the communicators the call needs first
+  (outside jit)."""
   model.prepare(*input_ids_bs.shape)
   graphdef, state = nnx.split(model)
-  return _forward(graphdef, state, jnp.asarray(input_ids_bs, jnp.int32), cache)
+  return _forward(graphdef, state, jnp.asarray(input_ids_bs, jnp.int32), cache, logits_to_keep)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, state, input_ids_bs, cache):
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _forward(graphdef, state, input_ids_bs, cache, logits_to_keep):
   model = nnx.merge(graphdef, state)
-  return model(input_ids_bs) if cache is None else model(input_ids_bs, cache=cache)
+  if cache is None:
+    return model(input_ids_bs, logits_to_keep=logits_to_keep)
+  return model(input_ids_bs, cache=cache, logits_to_keep=logits_to_keep)
 
 
 def sample(logits_bv, key, temperature: float, top_p: float):
@@ -100,7 +103,7 @@ class Generator:
     def prefill(state, ids_bs, key):
       model = nnx.merge(graphdef, state)
       cache = model.init_cache(batch, prompt_len + max_new_tokens)
-      logits_bsv, cache = model(ids_bs, cache=cache)
+      logits_bsv, cache = model(ids_bs, cache=cache, logits_to_keep=1)
       return pick(logits_bsv[:, -1], key), cache
 
     def decode(state, token_b, cache, keys):
@@ -303,7 +306,7 @@ class PromptGenerator:
     def prefill(state, ids_bs, seed):
       model = nnx.merge(graphdef, state)
       cache = model.init_cache(batch_, cache_len)
-      logits_bsv, cache = model(ids_bs, cache=cache)
+      logits_bsv, cache = model(ids_bs, cache=cache, logits_to_keep=1)
       token_b = pick(logits_bsv[:, -1], jax.random.fold_in(jax.random.key(seed), cache.index))
       return token_b, cache
 

@@ -220,7 +220,7 @@ class Qwen3MoeForCausalLM(CausalLM):
   config_class = Qwen3MoeConfig
   layer_class = DecoderLayer
 
-  def __call__(self, input_ids_bs, *, cache: Cache | None = None):
+  def __call__(self, input_ids_bs, *, cache: Cache | None = None, logits_to_keep: int = 0):
     index, positions_bs = self.token_positions(input_ids_bs, cache)
     inv_freq = layers.rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta)
     cos, sin = layers.rope_cos_sin(positions_bs, inv_freq, self.dtype)
@@ -228,7 +228,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         self.embed_tokens(input_ids_bs), cache, (cos, sin, positions_bs),
         lambda layer, x_bsd, kv, per_token, slot: layer.steps(x_bsd, *per_token, kv, index,
                                                               slot))
-    return self.final_logits(x_bsd, self.embed_tokens, cache, new_layers)
+    return self.final_logits(x_bsd, self.embed_tokens, cache, new_layers, logits_to_keep)
 
   def init_cache(self, batch: int, max_len: int) -> Cache:
     """k and v [B, T, kv heads, H] per layer: batch data-parallel, kv heads over tp (tp

@@ -52,6 +52,24 @@ def test_generator_refuses_a_prompt_of_another_shape(ep_mesh):
     generator(jnp.zeros((8, 4), jnp.int32))
 
 
+@pytest.mark.parametrize("name", ("tiny-qwen3-moe", "tiny-deepseek-v3"))
+def test_logits_to_keep_gives_the_last_positions(ep_mesh, rng, name):
+  """logits_to_keep=n is the full forward's last n positions, with and without a cache (the
+  prefill's call), and n past the sequence keeps all of it."""
+  model = models.tiny(name, mesh=ep_mesh, dtype=jnp.float32)
+  ids = jnp.asarray(rng.integers(0, model.vocab_size, (8, 5)), jnp.int32)
+  full = np.asarray(models.forward(model, ids))
+  close = dict(rtol=1e-5, atol=1e-5 * np.abs(full).max())
+  for keep in (2, 9):
+    np.testing.assert_allclose(np.asarray(models.forward(model, ids, logits_to_keep=keep)),
+                               full[:, -keep:], **close)
+  cached, cache = models.forward(model, ids, model.init_cache(8, 8), logits_to_keep=1)
+  assert cached.shape == (8, 1, model.vocab_size) and int(cache.index) == 5
+  np.testing.assert_allclose(np.asarray(cached), full[:, -1:], **close)
+  with pytest.raises(ValueError, match=r"logits_to_keep must be an int >= 0.*got -1"):
+    models.forward(model, ids, logits_to_keep=-1)
+
+
 def test_top_p_keeps_the_nucleus():
   logits = jnp.log(jnp.array([[0.5, 0.05, 0.3, 0.15]], jnp.float32))
   keys = jax.random.split(jax.random.key(0), 2000)
