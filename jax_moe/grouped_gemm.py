@@ -26,8 +26,10 @@ device is an NVIDIA Hopper GPU (compute capability 9.x), x and w are both bf16 o
 and N % 64 == 0. `implementation_for(...)` says which one a call would get and why.
 
 The tokamax kernel leaves rows past sum(group_sizes) unwritten (uninitialised memory, not
-zeros); this wrapper clamps the cumulative group ends to [0, M] and zeroes those rows with
-one select over the output (it fuses into the consumer where XLA can; standing alone it cost
+zeros); this wrapper clamps the cumulative group ends to [0, M] and, unless the caller says
+it never reads them (`rows_past_groups="unspecified"`: the MoE layer, whose down projection
+reads only h's rows inside the groups and whose combine only the routed rows), zeroes those
+rows with one select over the output (it fuses into the consumer where XLA can; standing alone it cost
 0-70 us on an H200 at the issue-20 shapes: "jax_moe auto" against "tokamax tuned config, tail
 not zeroed" in benchmarks/bench_grouped_gemm.py). Accuracy against lax.ragged_dot: both
 accumulate in f32; bf16 outputs differ by at most one bf16 ulp of the result (measured
@@ -66,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 IMPLEMENTATIONS = ("auto", "lax", "tokamax")
+ROWS_PAST_GROUPS = ("zero", "unspecified")
 
 # The Mosaic GPU kernel's input and output dtypes (tokamax 0.0.17, sm90 non-quantized path).
 _TOKAMAX_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -128,12 +131,16 @@ def _is_default_precision(precision) -> bool:
   return precision == jax.lax.Precision.DEFAULT
 
 
-def _check_arguments(lhs, rhs, group_sizes, preferred_element_type, implementation):
+def _check_arguments(lhs, rhs, group_sizes, preferred_element_type, implementation,
+                     rows_past_groups):
   """Shapes and dtypes, with errors that name the argument (before any tracing). rhs: an
   array [G, K, N] or a BlockFp8Weights (checked when it was made; its logical shape here)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"ragged_dot: implementation must be one of {IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
+  if rows_past_groups not in ROWS_PAST_GROUPS:
+    raise ValueError(f"ragged_dot: rows_past_groups must be one of {ROWS_PAST_GROUPS}, "
+                     f"got {rows_past_groups!r}")
   fp8 = isinstance(rhs, BlockFp8Weights)
   arrays = [("lhs", lhs, 2), ("group_sizes", group_sizes, 1)] + ([] if fp8 else [("rhs", rhs, 3)])
   for name, value, rank in arrays:
@@ -292,26 +299,30 @@ def tokamax_ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None,
 
 
 def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None,
-               implementation: str = "auto"):
+               implementation: str = "auto", rows_past_groups: str = "zero"):
   """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` on the fastest kernel that applies.
 
   lhs [M, K], rhs [G, K, N] (an array, or a BlockFp8Weights of that logical shape),
   group_sizes [G] integer -> [M, N] (module docstring: semantics, the implementations and
   when "auto" takes which). Works inside jit, shard_map and vmap-free
   code; the choice is made at trace time from shapes, dtypes and the default device.
+  rows_past_groups: "zero" (lax.ragged_dot's zeros) or "unspecified" (whatever the kernel
+  left there, for a caller that never reads those rows: saves a pass over the output).
   """
   if isinstance(rhs, BlockFp8Weights):
     return _ragged_dot_fp8(lhs, rhs, group_sizes, precision=precision,
                            preferred_element_type=preferred_element_type,
-                           implementation=implementation)
-  _check_arguments(lhs, rhs, group_sizes, preferred_element_type, implementation)
+                           implementation=implementation, rows_past_groups=rows_past_groups)
+  _check_arguments(lhs, rhs, group_sizes, preferred_element_type, implementation,
+                   rows_past_groups)
   chosen, _ = implementation_for(lhs, rhs, group_sizes, precision=precision,
                                  preferred_element_type=preferred_element_type,
                                  implementation=implementation)
   if chosen == "lax":
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
                               preferred_element_type=preferred_element_type)
-  return tokamax_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+  return tokamax_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
+                            zero_tail=rows_past_groups == "zero")
 
 
 # ------------------------------------------------------------------------- fp8 weights
@@ -499,8 +510,9 @@ def tokamax_ragged_dot_fp8(lhs, rhs: BlockFp8Weights, group_sizes, *,
 
 
 def _ragged_dot_fp8(lhs, rhs, group_sizes, *, precision, preferred_element_type,
-                    implementation):
-  _check_arguments(lhs, rhs, group_sizes, preferred_element_type, implementation)
+                    implementation, rows_past_groups):
+  _check_arguments(lhs, rhs, group_sizes, preferred_element_type, implementation,
+                   rows_past_groups)
   chosen, _ = implementation_for(lhs, rhs, group_sizes, precision=precision,
                                  preferred_element_type=preferred_element_type,
                                  implementation=implementation)
@@ -508,7 +520,8 @@ def _ragged_dot_fp8(lhs, rhs, group_sizes, *, precision, preferred_element_type,
     return jax.lax.ragged_dot(lhs, rhs.dequantize(lhs.dtype), group_sizes, precision=precision,
                               preferred_element_type=preferred_element_type)
   return tokamax_ragged_dot_fp8(lhs, rhs, group_sizes,
-                                preferred_element_type=preferred_element_type)
+                                preferred_element_type=preferred_element_type,
+                                zero_tail=rows_past_groups == "zero")
 
 
 def reference_ragged_dot(lhs, rhs, group_sizes) -> np.ndarray:

@@ -389,9 +389,11 @@ class RoutedExperts(nnx.Module):
       return w
 
     w_gate, w_up, w_down = local(w_gate), local(w_up), local(w_down)
+    # rows past the groups stay unspecified: down reads only h's rows inside them and the
+    # combine only the routed rows (docs/semantics.md), so no pass zeroes them
     dot = lambda a, w, out=jnp.float32: grouped_gemm.ragged_dot(
         a, w, group_sizes, precision=precision, preferred_element_type=out,
-        implementation=GEMM_IMPLEMENTATION)
+        implementation=GEMM_IMPLEMENTATION, rows_past_groups="unspecified")
     gate, up = dot(rows, w_gate), dot(rows, w_up)
     h = (jax.nn.silu(gate) * up).astype(rows.dtype)
     return dot(h, w_down, out_dtype)

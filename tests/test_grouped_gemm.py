@@ -172,6 +172,8 @@ def test_bad_implementation_and_preferred_type():
     with pytest.raises(TypeError, match="preferred_element_type"):
         gg.ragged_dot(args["lhs"], args["rhs"], args["group_sizes"],
                       preferred_element_type="not-a-dtype")
+    with pytest.raises(ValueError, match=r"rows_past_groups must be one of .*got 'nan'"):
+        gg.ragged_dot(args["lhs"], args["rhs"], args["group_sizes"], rows_past_groups="nan")
 
 
 # ------------------------------------------------- CPU: the tokamax wrapper on a stand-in kernel
@@ -224,6 +226,24 @@ def test_tokamax_wrapper_zeroes_the_tail_and_clamps(rng, stand_in_kernel, case):
     assert sum(passed_sizes) == min(sum(sizes), m)
     want = jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("case", ["uneven", "short", "over"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_tokamax_wrapper_leaves_the_tail_when_asked(rng, stand_in_kernel, case, fp8):
+    """rows_past_groups="unspecified": the rows inside the groups are the zeroing path's, bit
+    for bit, and the rows past them are what the kernel left (the stand-in's NaN)."""
+    m, sizes = CASES[case]
+    if fp8:
+        x, _, w, gs = _fp8_inputs(rng, m, sizes)
+    else:
+        x, w, gs = _inputs(rng, m, sizes, k=128, n=64, dtype=jnp.bfloat16)
+    zeroed = np.asarray(gg.ragged_dot(x, w, gs, preferred_element_type=jnp.float32))
+    left = np.asarray(gg.ragged_dot(x, w, gs, preferred_element_type=jnp.float32,
+                                    rows_past_groups="unspecified"))
+    total = min(sum(sizes), m)
+    np.testing.assert_array_equal(left[:total], zeroed[:total])
+    assert np.isnan(left[total:]).all() and not zeroed[total:].any()
 
 
 def test_tuned_config_classes(stand_in_kernel):
