@@ -223,6 +223,37 @@ def test_routing_matches_transformers(rng, case):
          np.take_along_axis(_np(want_w), want_order, 1), 1e-6)
 
 
+def _route_with_top_k(logits_te, bias_e, cfg):
+  """DeepSeek-V3's group-limited routing written with lax.top_k and a scatter (the plain
+  form of deepseek_v3.route's group selection): the reference for its ties."""
+  T, E = logits_te.shape
+  scores_te = jax.nn.sigmoid(logits_te)
+  choice_te = scores_te + bias_e
+  best2, _ = jax.lax.top_k(choice_te.reshape(T, cfg.n_group, -1), 2)
+  _, kept = jax.lax.top_k(best2.sum(-1), cfg.topk_group)
+  kept_tg = jnp.zeros((T, cfg.n_group), bool).at[jnp.arange(T)[:, None], kept].set(True)
+  masked = jnp.where(jnp.repeat(kept_tg, E // cfg.n_group, axis=1), choice_te, -jnp.inf)
+  _, ids_tk = jax.lax.top_k(masked, cfg.top_k)
+  return ids_tk
+
+
+@pytest.mark.parametrize("groups,kept,top_k", [(8, 4, 8), (4, 2, 3), (2, 1, 2), (1, 1, 4)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_routing_group_selection_is_top_ks(rng, groups, kept, top_k, ties):
+  """route's reductions pick the same experts, in the same order, as two lax.top_k and a
+  scatter, also where many scores tie (logits on a coarse grid, equal group scores)."""
+  routing = deepseek_v3.RoutingConfig(num_experts=32, top_k=top_k, n_group=groups,
+                                      topk_group=kept, norm_topk_prob=True,
+                                      routed_scaling_factor=2.5)
+  logits = rng.normal(size=(300, 32)).astype(np.float32)
+  bias = rng.normal(0, 0.1, size=32).astype(np.float32)
+  if ties:
+    logits, bias = np.round(logits * 2) / 2, np.zeros_like(bias)
+  ids, _ = deepseek_v3.route(jnp.asarray(logits), jnp.asarray(bias), routing)
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(
+      _route_with_top_k(jnp.asarray(logits), jnp.asarray(bias), routing)))
+
+
 def test_routing_bias_selects_but_does_not_weigh():
   """A large bias on one expert makes every token pick it, with its unbiased score."""
   routing = deepseek_v3.RoutingConfig(num_experts=4, top_k=1, n_group=1, topk_group=1,
