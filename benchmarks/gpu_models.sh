@@ -6,7 +6,8 @@
 #   GIT_COMMIT=<sha> benchmarks/gpu_models.sh [STEP...]   (default: tests generate bench;
 #   also: realistic, issue 16's DeepSeek-V3 and Qwen3-235B shapes; stagecheck, one tiny model's
 #   per-stage profile printed; gemm, bench_grouped_gemm.py's sweep of GEMM_SHAPES; gemmtests,
-#   tests/test_grouped_gemm.py with tokamax)
+#   tests/test_grouped_gemm.py with tokamax (GEMM_TESTS_ARGS: e.g. -k); overlaptests, the overlap
+#   options' tests)
 # GIT_COMMIT is the commit to record (the device tool's copies have no .git). Build always
 # runs; a step list lets a 10-minute call do part of the work (tests ~4 min, bench ~4 min).
 set -u -o pipefail
@@ -96,7 +97,10 @@ for r in d['results']: print(r['label'], json.dumps(r.get('stages'))[:600])" \
       tail -8 "$logs/bench_decode_realistic.log" ;;
     gemmtests)  # the grouped GEMM's tests on the GPU, tokamax's kernel against lax.ragged_dot
       step tests_grouped_gemm 200 python3 -m pytest -q -p no:cacheprovider -rs \
-        tests/test_grouped_gemm.py ;;
+        tests/test_grouped_gemm.py ${GEMM_TESTS_ARGS:-} ;;
+    overlaptests)  # the two-batch and shared-expert overlap tests on the GPU
+      step tests_overlap "${OVERLAP_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -rs \
+        tests/models/test_two_batch_overlap.py tests/models/test_overlap_shared_experts.py ;;
     gemm)  # the tile sweep of tokamax's kernel at GEMM_SHAPES against XLA's GEMM (einsum)
       step bench_grouped_gemm "${GEMM_S:-200}" python3 benchmarks/bench_grouped_gemm.py \
         --shapes "${GEMM_SHAPES:-decode-dsv3-ep8,decode-dsv3-ep8-down}" --methods einsum,auto \
