@@ -29,9 +29,9 @@ The tokamax kernel leaves rows past sum(group_sizes) unwritten (uninitialised me
 zeros); this wrapper clamps the cumulative group ends to [0, M] and, unless the caller says
 it never reads them (`rows_past_groups="unspecified"`: the MoE layer, whose down projection
 reads only h's rows inside the groups and whose combine only the routed rows), zeroes those
-rows with one select over the output (it fuses into the consumer where XLA can; standing alone it cost
-0-70 us on an H200 at the issue-20 shapes: "jax_moe auto" against "tokamax tuned config, tail
-not zeroed" in benchmarks/bench_grouped_gemm.py). Accuracy against lax.ragged_dot: both
+rows with one select over the output (it fuses into the consumer where XLA can; standing
+alone it cost 0-70 us on an H200 at the issue-20 shapes: "jax_moe auto" against "tokamax
+tuned config, tail not zeroed" in benchmarks/bench_grouped_gemm.py). Accuracy against lax.ragged_dot: both
 accumulate in f32; bf16 outputs differ by at most one bf16 ulp of the result (measured
 relative Frobenius error 1.7e-3), f32 outputs by the f32 summation order (tested on an H200
 in tests/test_grouped_gemm.py).

@@ -39,9 +39,10 @@ and implements:
       [cache.index, cache.index + S); returns (logits [B, S, V], updated cache with index
       advanced by S). `logits_to_keep` = n > 0 gives the logits of the last n positions only
       ([B, n, V]; transformers' argument of that name): a prefill that samples one token
-      needs 1, and skips the LM head's GEMM over the other positions. Batch is data-parallel over the data-parallel axis
-      (`rules.constrain(x, "batch", ...)`), attention heads and dense MLPs split over the
-      tensor-parallel axis when there is one, experts sharded over both.
+      needs 1, and skips the LM head's GEMM over the other positions. Batch is
+      data-parallel over the data-parallel axis (`rules.constrain(x, "batch", ...)`),
+      attention heads and dense MLPs split over the tensor-parallel axis when there is one,
+      experts sharded over both.
   init_cache(self, batch, max_len) -> Cache
       zeros for `max_len` positions per sequence, `layers` a tuple with one pytree per
       layer (whatever that attention caches), batch dim sharded like activations.
