@@ -33,8 +33,8 @@ rows with one select over the output (it fuses into the consumer where XLA can; 
 alone it cost 0-70 us on an H200 at the issue-20 shapes: "jax_moe auto" against "tokamax
 tuned config, tail not zeroed" in benchmarks/bench_grouped_gemm.py). Accuracy against
 lax.ragged_dot: both accumulate in f32; bf16 outputs differ by at most one bf16 ulp of the
-result (measured relative Frobenius error 1.7e-3), f32 outputs by the f32 summation order (tested on an H200
-in tests/test_grouped_gemm.py).
+result (measured relative Frobenius error 1.7e-3), f32 outputs by the f32 summation order
+(tested on an H200 in tests/test_grouped_gemm.py).
 
 fp8 weights (`BlockFp8Weights`: DeepSeek-V3's e4m3 codes with one f32 scale per 128x128
 block) go through the same `ragged_dot`:
