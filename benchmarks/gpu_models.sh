@@ -98,8 +98,9 @@ for r in d['results']: print(r['label'], json.dumps(r.get('stages'))[:600])" \
     gemmtests)  # the grouped GEMM's tests on the GPU, tokamax's kernel against lax.ragged_dot
       step tests_grouped_gemm 200 python3 -m pytest -q -p no:cacheprovider -rs \
         tests/test_grouped_gemm.py ${GEMM_TESTS_ARGS:-} ;;
-    overlaptests)  # the two-batch and shared-expert overlap tests on the GPU
-      step tests_overlap "${OVERLAP_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -rs \
+    overlaptests)  # the two-batch and shared-expert overlap tests on the GPU; -x -v: a step
+      # cut by its limit still names each test's result and the first failure's traceback
+      step tests_overlap "${OVERLAP_TESTS_S:-200}" python3 -m pytest -v -x -p no:cacheprovider \
         tests/models/test_two_batch_overlap.py tests/models/test_overlap_shared_experts.py ;;
     gemm)  # the tile sweep of tokamax's kernel at GEMM_SHAPES against XLA's GEMM (einsum)
       step bench_grouped_gemm "${GEMM_S:-200}" python3 benchmarks/bench_grouped_gemm.py \
