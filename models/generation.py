@@ -34,8 +34,6 @@ def forward(model, input_ids_bs, cache=None, logits_to_keep: int = 0):
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _forward(graphdef, state, input_ids_bs, cache, logits_to_keep):
   model = nnx.merge(graphdef, state)
-  if cache is None:
-    return model(input_ids_bs, logits_to_keep=logits_to_keep)
   return model(input_ids_bs, cache=cache, logits_to_keep=logits_to_keep)
 
 
