@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -63,6 +64,8 @@ def provenance(mesh: Mesh, git_commit: str | None = None) -> dict:
       "device_kind": device.device_kind,
       "device_count": int(mesh.devices.size),
       "devices_visible": jax.device_count(),
+      # XLA's options change what the compiler picks (e.g. cuBLAS or Triton for a GEMM)
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
   }
   try:
     import jax_moe

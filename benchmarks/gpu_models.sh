@@ -7,7 +7,7 @@
 #   also: realistic, issue 16's DeepSeek-V3 and Qwen3-235B shapes; stagecheck, one tiny model's
 #   per-stage profile printed; gemm, bench_grouped_gemm.py's sweep of GEMM_SHAPES; gemmtests,
 #   tests/test_grouped_gemm.py with tokamax (GEMM_TESTS_ARGS: e.g. -k); overlaptests, the overlap
-#   options' tests)
+#   options' tests, OVERLAP_TESTS_ARGS: e.g. -k)
 # GIT_COMMIT is the commit to record (the device tool's copies have no .git). Build always
 # runs; a step list lets a 10-minute call do part of the work (tests ~4 min, bench ~4 min).
 set -u -o pipefail
@@ -101,7 +101,8 @@ for r in d['results']: print(r['label'], json.dumps(r.get('stages'))[:600])" \
     overlaptests)  # the two-batch and shared-expert overlap tests on the GPU; -x -v: a step
       # cut by its limit still names each test's result and the first failure's traceback
       step tests_overlap "${OVERLAP_TESTS_S:-200}" python3 -m pytest -v -x -p no:cacheprovider \
-        tests/models/test_two_batch_overlap.py tests/models/test_overlap_shared_experts.py ;;
+        tests/models/test_two_batch_overlap.py tests/models/test_overlap_shared_experts.py \
+        ${OVERLAP_TESTS_ARGS:-} ;;
     gemm)  # the tile sweep of tokamax's kernel at GEMM_SHAPES against XLA's GEMM (einsum)
       step bench_grouped_gemm "${GEMM_S:-200}" python3 benchmarks/bench_grouped_gemm.py \
         --shapes "${GEMM_SHAPES:-decode-dsv3-ep8,decode-dsv3-ep8-down}" --methods einsum,auto \
