@@ -278,6 +278,20 @@ def clamp_group_sizes(group_sizes, m: int):
   return ends - starts, ends[-1] if ends.shape[0] else jnp.int32(0)
 
 
+# The Mosaic GPU kernels copy x in (8, 64)-element TMA tiles and refuse an M above 8 that is
+# not a multiple of 8 (seen at M = 12 on an H200: "dimension 0 must have size smaller or a
+# multiple of its tiling 8"): such an x gets zero rows appended, past every group, and the
+# result is cut back to M rows.
+KERNEL_ROW_TILE = 8
+
+
+def _pad_rows(lhs):
+  m = lhs.shape[0]
+  if m <= KERNEL_ROW_TILE or m % KERNEL_ROW_TILE == 0:
+    return lhs
+  return jnp.pad(lhs, ((0, -m % KERNEL_ROW_TILE), (0, 0)))
+
+
 def tokamax_ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None,
                        config: dict[str, Any] | None | str = "tuned", zero_tail: bool = True):
   """The tokamax path of `ragged_dot` without its checks. `config`: "tuned" (this module's
@@ -290,8 +304,8 @@ def tokamax_ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None,
   out_dtype = (jnp.dtype(preferred_element_type) if preferred_element_type is not None
                else jnp.result_type(lhs, rhs))
   mods, _ = _tokamax()
-  out = mods[0].ragged_dot(lhs, rhs, sizes, preferred_element_type=out_dtype,
-                           implementation=[tokamax_op(config)])
+  out = mods[0].ragged_dot(_pad_rows(lhs), rhs, sizes, preferred_element_type=out_dtype,
+                           implementation=[tokamax_op(config)])[:m]
   if zero_tail:
     rows = jax.lax.broadcasted_iota(jnp.int32, (m, 1), 0)
     out = jnp.where(rows < total, out, jnp.zeros((), out.dtype))
@@ -498,9 +512,9 @@ def tokamax_ragged_dot_fp8(lhs, rhs: BlockFp8Weights, group_sizes, *,
   weights = qarray(qvalue=jnp.swapaxes(rhs.codes, 1, 2), scale=scales,
                    qtype=jnp.float8_e4m3fn)
   sizes, total = clamp_group_sizes(group_sizes, m)
-  out = tokamax.ragged_dot(lhs.astype(lhs_dtype), weights, sizes,
+  out = tokamax.ragged_dot(_pad_rows(lhs.astype(lhs_dtype)), weights, sizes,
                            preferred_element_type=kernel_out,
-                           implementation=[tokamax_op(config)])
+                           implementation=[tokamax_op(config)])[:m]
   if unit is not None:
     out = out.astype(jnp.float32) * unit
   if zero_tail:

@@ -45,6 +45,7 @@ CASES = {
     "over": (16, [10, 0, 9, 4]),             # sum 23 > 16: rows past M are ignored
     "all_empty": (8, [0, 0, 0]),
     "one_group": (24, [24]),
+    "odd_rows": (21, [4, 0, 9, 5]),          # M % 8 != 0 (the tokamax wrapper pads x)
 }
 
 
@@ -185,6 +186,10 @@ def stand_in_kernel(monkeypatch):
     calls = []
 
     def fake_ragged_dot(lhs, rhs, sizes, *, preferred_element_type, implementation):
+        m = lhs.shape[0]
+        if m > gg.KERNEL_ROW_TILE and m % gg.KERNEL_ROW_TILE:  # the kernel's TMA rule
+            raise ValueError(f"dimension 0 must have size smaller or a multiple of its tiling "
+                             f"8, but got {m}")
         try:
             recorded = np.asarray(sizes).tolist()
         except jax.errors.TracerArrayConversionError:  # inside jit
@@ -217,7 +222,7 @@ def stand_in_kernel(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("case", ["uneven", "empty", "short", "over", "all_empty"])
+@pytest.mark.parametrize("case", ["uneven", "empty", "short", "over", "all_empty", "odd_rows"])
 def test_tokamax_wrapper_zeroes_the_tail_and_clamps(rng, stand_in_kernel, case):
     m, sizes = CASES[case]
     x, w, gs = _inputs(rng, m, sizes, k=128, n=64, dtype=jnp.bfloat16)
@@ -229,7 +234,7 @@ def test_tokamax_wrapper_zeroes_the_tail_and_clamps(rng, stand_in_kernel, case):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("case", ["uneven", "short", "over"])
+@pytest.mark.parametrize("case", ["uneven", "short", "over", "odd_rows"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_tokamax_wrapper_leaves_the_tail_when_asked(rng, stand_in_kernel, case, fp8):
     """rows_past_groups="unspecified": the rows inside the groups are the zeroing path's, bit
@@ -354,7 +359,7 @@ def test_fp8_bad_arguments(rng):
         gg.ragged_dot(x, w8, gs, implementation="cutlass")
 
 
-@pytest.mark.parametrize("case", ["uneven", "empty", "short", "over", "all_empty"])
+@pytest.mark.parametrize("case", ["uneven", "empty", "short", "over", "all_empty", "odd_rows"])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
 def test_fp8_tokamax_wrapper_on_a_stand_in_kernel(rng, stand_in_kernel, case, out_dtype):
     """The wrapper hands the kernel f16 x, codes as a [G, K, N] transpose, f16 scales [G, K/128,
@@ -505,6 +510,10 @@ GPU_CASES = {
     "short": (1024, [64, 0, 129, 7, 0, 300, 0, 1]),         # sum 501 < 1024
     "decode": (64, [1, 0, 5, 2, 0, 0, 9, 3]),               # few rows per group
     "over": (256, [200, 0, 90, 40, 0, 0, 0, 0]),            # sum 330 > 256
+    # M above 8 and not a multiple of 8: the kernel's TMA tiles refuse such an x (seen at 12,
+    # a two-batch micro-batch of the tiny Qwen3-MoE); the wrapper pads it
+    "odd_rows": (12, [5, 0, 4, 3]),
+    "odd_many": (1001, [500, 0, 1, 300, 0, 0, 100, 90]),   # sum 991 < 1001
 }
 
 
