@@ -58,6 +58,7 @@ from benchmarks.arguments import csv_list  # noqa: E402
 from benchmarks.environment import device_slug, provenance  # noqa: E402
 from benchmarks.timing import per_step, time_per_iteration, wall_time  # noqa: E402
 from jax_moe import grouped_gemm as gg  # noqa: E402
+from jax_moe.models import layers  # noqa: E402
 
 # name: (rows M, groups G, K, N, kind) -- issue 20's shapes
 SHAPES = {
@@ -73,12 +74,20 @@ SHAPES = {
     "decode-dsv3-ep8-gateup": (1024, 32, 7168, 4096, "decode"),
     "decode-dsv3-shared": (128, 1, 7168, 2048, "decode"),
     "decode-dsv3-shared-down": (128, 1, 2048, 7168, "decode"),
+    # the other dense GEMMs of that step at M = 128 (one group; "einsum" is what the model runs,
+    # "splitk" the same GEMM with K cut in parts): shared gate and up side by side, MLA's
+    # q_a + kv_a, q_b and o_proj
+    "decode-dsv3-shared-gateup": (128, 1, 7168, 4096, "decode"),
+    "decode-dsv3-qkv-a": (128, 1, 7168, 2112, "decode"),
+    "decode-dsv3-q-b": (128, 1, 1536, 24576, "decode"),
+    "decode-dsv3-o": (128, 1, 16384, 7168, "decode"),
 }
 QUICK_SHAPES = {
     "decode-tiny": (64, 8, 256, 128, "decode"),
     "prefill-tiny": (512, 4, 256, 128, "prefill"),
 }
-METHODS = ("lax", "einsum", "tokamax", "fp8", "auto")
+METHODS = ("lax", "einsum", "splitk", "tokamax", "fp8", "auto")
+SPLIT_K_PARTS = (2, 4, 8)
 DECODE_TARGET = 1.15   # x HBM floor
 PREFILL_TARGET = 0.50  # of the measured dense peak
 FP8_TARGET = 0.60      # x the bf16 time ("jax_moe auto") at decode shapes
@@ -200,6 +209,11 @@ def methods_for(kind: str, sizes: np.ndarray, m: int, k: int, n: int, wanted, sw
                 None, ""))
   if "einsum" in wanted:
     out.append(("einsum (padded)", "einsum", padded_einsum(sizes, m), None, ""))
+  if "splitk" in wanted and len(sizes) == 1:
+    for parts in SPLIT_K_PARTS:
+      if k % parts == 0:
+        out.append((f"einsum, K in {parts} parts", "splitk",
+                    lambda x, w, gs, p=parts: layers.matmul_split_k(x, w[0], p), None, ""))
   available, reason = gg.tokamax_status()
   on_hopper = gg._is_hopper(device)
   tokamax_ok = available and on_hopper
@@ -512,9 +526,9 @@ def parse_args(argv=None):
   p.add_argument("--groups", choices=("equal", "uneven"), default="equal")
   p.add_argument("--methods", type=csv_list(METHODS), default=list(METHODS))
   p.add_argument("--sweep", nargs="?", const="all", default=None,
-                 choices=("bf16", "fp8", "all"),
+                 choices=("bf16", "fp8", "all", "none"),
                  help="also time every candidate tile config of tokamax's sm90 kernel (bf16), "
-                      "of its quantized kernel (fp8) or both (all, the default)")
+                      "of its quantized kernel (fp8), both (all, the default) or none")
   p.add_argument("--fp8-configs", type=_shape_configs, default={},
                  help="with --sweep fp8: which SWEEP_FP8 configs, per shape: "
                       "'shape=cfg+cfg;shape2=cfg' or '*=cfg+cfg' (default: all)")

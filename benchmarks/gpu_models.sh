@@ -5,7 +5,7 @@
 # Everything lands in one file, $OUT/models_<gpus>gpu.tar.gz (logs, JSON, PNG).
 #   GIT_COMMIT=<sha> benchmarks/gpu_models.sh [STEP...]   (default: tests generate bench;
 #   also: realistic, issue 16's DeepSeek-V3 and Qwen3-235B shapes; stagecheck, one tiny model's
-#   per-stage profile printed; gemm, bench_grouped_gemm.py's sweep of GEMM_SHAPES; gemmtests,
+#   per-stage profile printed; gemm, bench_grouped_gemm.py at GEMM_SHAPES (GEMM_SWEEP); gemmtests,
 #   tests/test_grouped_gemm.py with tokamax (GEMM_TESTS_ARGS: e.g. -k); overlaptests, the overlap
 #   options' tests, OVERLAP_TESTS_ARGS: e.g. -k)
 # GIT_COMMIT is the commit to record (the device tool's copies have no .git). Build always
@@ -106,7 +106,7 @@ for r in d['results']: print(r['label'], json.dumps(r.get('stages'))[:600])" \
     gemm)  # the tile sweep of tokamax's kernel at GEMM_SHAPES against XLA's GEMM (einsum)
       step bench_grouped_gemm "${GEMM_S:-200}" python3 benchmarks/bench_grouped_gemm.py \
         --shapes "${GEMM_SHAPES:-decode-dsv3-ep8,decode-dsv3-ep8-down}" --methods einsum,auto \
-        --sweep bf16 --reps 3 --budget-s 0.5 --out "$logs/results-gemm" \
+        --sweep "${GEMM_SWEEP:-bf16}" --reps 3 --budget-s 0.5 --out "$logs/results-gemm" \
         --git-commit "${GIT_COMMIT:-unknown}" ${GEMM_ARGS:-}
       grep -E "us|x HBM" "$logs/bench_grouped_gemm.log" | head -80 ;;
     *) echo "unknown step $s"; exit 2 ;;
