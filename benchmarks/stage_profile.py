@@ -59,6 +59,21 @@ def instruction_stages(hlo_text: str) -> dict[str, str | None]:
   return out
 
 
+def instruction_notes(hlo_text: str) -> dict[str, str]:
+  """{instruction name: "<result type> <op_name's last three parts>"}: what a kernel named in
+  a trace computes (e.g. "bf16[128,1,24576]{2,1,0} layers/attention/dot_general")."""
+  out = {}
+  for line in hlo_text.splitlines():
+    match = _INSTRUCTION.match(line)
+    if not match:
+      continue
+    result_type = line.split(" = ", 1)[1].split(f" {match.group(2)}(", 1)[0]
+    op_name = _OP_NAME.search(line)
+    where = "/".join(op_name.group(1).split("/")[-3:]) if op_name else ""
+    out[match.group(1)] = f"{result_type[:80]} {where}".strip()
+  return out
+
+
 def traced(run):
   """The jax.profiler ProfileData of one `run()`, after an untraced one (so nothing left
   over from earlier work lands in the trace)."""
@@ -140,12 +155,13 @@ def jit_for_profile(jitted):
   return jax.jit(jitted.__wrapped__, compiler_options=options)
 
 
-def profile_stages(run, compiled, steps: int, top_n: int = 12) -> dict:
+def profile_stages(run, compiled, steps: int, top_n: int = 24) -> dict:
   """Traces `run()` (which must run `compiled`, `steps` steps) and returns the device time
   per step by stage, averaged over the devices: {"stages_us": {stage: us}, "total_us",
   "unmatched_us" (events whose instruction the module's text does not name), "unmatched_top"
   (the largest of those: [instruction, us per step]), "top_by_stage" (each stage's largest
-  events, [instruction, us per step, events per step]: what limits the stage), "devices"}."""
+  events, [instruction, us per step, events per step, what it is (instruction_notes)]: what
+  limits the stage), "devices"}."""
   text = compiled.as_text()
   module = re.search(r"^HloModule ([\w.\-]+)", text, re.M).group(1)
   by_name = instruction_stages(text)
@@ -164,7 +180,8 @@ def profile_stages(run, compiled, steps: int, top_n: int = 12) -> dict:
       count[stage, op] += 1
   scale = 1e-3 / (steps * devices)
   per_stage = {s: sum(by_op[s].values()) * scale for s in (*stages.STAGES, stages.OTHER)}
-  top = {s: [[op, ns * scale, count[s, op] / (steps * devices)]
+  notes = instruction_notes(text)
+  top = {s: [[op, ns * scale, count[s, op] / (steps * devices), notes.get(op, "")]
              for op, ns in by_op[s].most_common(top_n)] for s in per_stage if by_op[s]}
   return {"stages_us": per_stage, "total_us": sum(per_stage.values()),
           "unmatched_us": sum(unmatched.values()) * scale,

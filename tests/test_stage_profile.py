@@ -71,8 +71,12 @@ def test_a_cpu_trace_is_charged_to_the_scoped_stages():
     top = got["top_by_stage"]
     assert {"attention", "experts"} <= set(top) <= {"attention", "experts", "other"}
     for stage, rows in top.items():  # each stage's largest events sum to at most its time
-        assert 0 < sum(us for _, us, _ in rows) <= per_stage[stage] + 1e-6
-        assert all(per_step > 0 for _, _, per_step in rows)
+        assert 0 < sum(us for _, us, _, _ in rows) <= per_stage[stage] + 1e-6
+        assert all(per_step > 0 for _, _, per_step, _ in rows)
+    # each row says what its instruction computes: its result type and where it comes from
+    assert any(stage in note for stage in ("attention", "experts")
+               for rows in top.values() for *_, note in rows)
+    assert all("[" in note for rows in top.values() for *_, note in rows), top
 
 
 def test_gpu_events_are_named_by_instruction_kernel_or_project_kernel():
