@@ -58,7 +58,6 @@ from benchmarks.arguments import csv_list  # noqa: E402
 from benchmarks.environment import device_slug, provenance  # noqa: E402
 from benchmarks.timing import per_step, time_per_iteration, wall_time  # noqa: E402
 from jax_moe import grouped_gemm as gg  # noqa: E402
-from jax_moe.models import layers  # noqa: E402
 
 # name: (rows M, groups G, K, N, kind) -- issue 20's shapes
 SHAPES = {
@@ -198,6 +197,21 @@ def padded_einsum(sizes: np.ndarray, m: int):
   return fn
 
 
+def matmul_split_k(x_mk, w_kn, parts: int):
+  """x @ w with K cut into `parts` chunks, one batched GEMM over them, the chunks' products
+  summed in f32 and rounded once to x's dtype. At decode a GEMM of M <= 128 rows has only
+  N / 128 output tiles (16 at N = 2048), maybe too few blocks to keep HBM busy; a batch of
+  `parts` chunks gives `parts` times as many (results/grouped-gemm-0cbaf02/: XLA's own
+  choice is within a few us of every split)."""
+  *lead, k = x_mk.shape
+  if k % parts:
+    raise ValueError(f"matmul_split_k: parts={parts} must divide K={k}")
+  x_mpc = x_mk.reshape(*lead, parts, k // parts)
+  w_pcn = w_kn.reshape(parts, k // parts, w_kn.shape[-1])
+  y_mpn = jnp.einsum("...pc,pcn->...pn", x_mpc, w_pcn, preferred_element_type=jnp.float32)
+  return y_mpn.sum(-2).astype(x_mk.dtype)
+
+
 def methods_for(kind: str, sizes: np.ndarray, m: int, k: int, n: int, wanted, sweep,
                 device, fp8_variants=(), fp8_configs=()):
   """[(label, family, fn(x, w, gs) -> [M, N] bf16, tile config or None, note)]."""
@@ -213,7 +227,7 @@ def methods_for(kind: str, sizes: np.ndarray, m: int, k: int, n: int, wanted, sw
     for parts in SPLIT_K_PARTS:
       if k % parts == 0:
         out.append((f"einsum, K in {parts} parts", "splitk",
-                    lambda x, w, gs, p=parts: layers.matmul_split_k(x, w[0], p), None, ""))
+                    lambda x, w, gs, p=parts: matmul_split_k(x, w[0], p), None, ""))
   available, reason = gg.tokamax_status()
   on_hopper = gg._is_hopper(device)
   tokamax_ok = available and on_hopper

@@ -58,20 +58,6 @@ class Linear(nnx.Module):
     return y + self.b[...] if self.b is not None else y
 
 
-def matmul_split_k(x_mk, w_kn, parts: int):
-  """x @ w with K cut into `parts` chunks, one batched GEMM over them, the chunks' products
-  summed in f32 and rounded once to x's dtype. At decode a GEMM of M <= 128 rows has only
-  N / 128 output tiles (16 at N = 2048): too few blocks to keep the GPU's HBM busy; a batch
-  of `parts` chunks gives `parts` times as many (benchmarks/bench_grouped_gemm.py, "splitk")."""
-  *lead, k = x_mk.shape
-  if k % parts:
-    raise ValueError(f"matmul_split_k: parts={parts} must divide K={k}")
-  x_mpc = x_mk.reshape(*lead, parts, k // parts)
-  w_pcn = w_kn.reshape(parts, k // parts, w_kn.shape[-1])
-  y_mpn = jnp.einsum("...pc,pcn->...pn", x_mpc, w_pcn, preferred_element_type=jnp.float32)
-  return y_mpn.sum(-2).astype(x_mk.dtype)
-
-
 def row_parallel(linear: Linear, x, pool):
   """linear(x) on one device's rows of w (x the matching columns), inside
   `ShardingRules.per_device`: the partial products summed over tp (`pool.tp_sum`), then the
