@@ -382,7 +382,9 @@ class RoutedExperts(nnx.Module):
     the hidden activation rounded to the rows' dtype (arrays or BlockFp8Weights; a shard's
     precomputed kernel unit [1] becomes the scalar the GEMM takes). The down projection
     accumulates in f32 and writes `out_dtype` itself: a bf16 result costs no separate f32
-    pass over every capacity row (10.8 us a layer at DeepSeek-V3's decode, 26cc7d8)."""
+    pass over every capacity row (10.8 us a layer at DeepSeek-V3's decode, 26cc7d8). Gate and
+    up write the rows' dtype too (a bf16 model's linear layers round their outputs to bf16, as
+    transformers' do); SwiGLU then runs in f32 on those values, rounded once."""
     def local(w):
       if isinstance(w, BlockFp8Weights) and w.kernel_unit is not None:
         return dataclasses.replace(w, kernel_unit=w.kernel_unit[0])
@@ -394,8 +396,9 @@ class RoutedExperts(nnx.Module):
     dot = lambda a, w, out=jnp.float32: grouped_gemm.ragged_dot(
         a, w, group_sizes, precision=precision, preferred_element_type=out,
         implementation=GEMM_IMPLEMENTATION, rows_past_groups="unspecified")
-    gate, up = dot(rows, w_gate), dot(rows, w_up)
-    h = (jax.nn.silu(gate) * up).astype(rows.dtype)
+    gate, up = dot(rows, w_gate, rows.dtype), dot(rows, w_up, rows.dtype)
+    f32 = lambda a: a.astype(jnp.float32)
+    h = (jax.nn.silu(f32(gate)) * f32(up)).astype(rows.dtype)
     return dot(h, w_down, out_dtype)
 
   def _dispatch_args(self, T, Tp, x_td, ids_tk, weights_tk):
