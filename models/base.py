@@ -214,7 +214,8 @@ class CausalLM(nnx.Module):
     """Std of the random init of one parameter; None means ones (norm weights)."""
     if len(shape) == 1:
       return None
-    fan_in = shape[-2]
+    # [..., in, out]; the routed experts' gate and up pair, [E, D, 2, F], has its fan-in at D
+    fan_in = shape[1] if path[-1] == "w_gate_up_ed2f" else shape[-2]
     return fan_in ** -0.5
 
   def layout(self) -> str:

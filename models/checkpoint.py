@@ -28,6 +28,8 @@ Sources:
                                   per-expert codes and scales as stored (`stored_fp8`,
                                   `read_codes`, `read_scales`); the loader quantizes `read`'s
                                   values when the checkpoint has none.
+  ExpertPair(first, second)       two StackedExperts side by side, [E, in, 2, out] (the routed
+                                  experts' gate and up as one parameter).
 """
 
 from __future__ import annotations
@@ -176,6 +178,30 @@ class StackedExperts:
                      for e in range(e0, e1)])
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertPair:
+  """Two [E, in, out] sources side by side as one [E, in, 2, out] parameter (the routed
+  experts' gate and up, read by one GEMM)."""
+  first: StackedExperts
+  second: StackedExperts
+
+  def names(self, reader) -> list[str]:
+    return list(dict.fromkeys(self.first.names(reader) + self.second.names(reader)))
+
+  def shape(self, reader) -> tuple[int, ...]:
+    shapes = {self.first.shape(reader), self.second.shape(reader)}
+    if len(shapes) != 1:
+      raise CheckpointError(f"{self.first.per_expert} and {self.second.per_expert}: shapes "
+                            f"{sorted(shapes)} differ; they must match to sit side by side")
+    E, dim_in, dim_out = shapes.pop()
+    return (E, dim_in, 2, dim_out)
+
+  def read(self, reader, index) -> np.ndarray:
+    p0, p1 = _bounds(index[2], 2)
+    parts = (self.first, self.second)[p0:p1]
+    return np.stack([part.read(reader, (index[0], index[1], index[3])) for part in parts], axis=2)
+
+
 def dense_mlp_sources(path: tuple, prefix: str) -> dict:
   """The SwiGLU MLP under `path` from `{prefix}.{gate,up,down}_proj.weight`."""
   return {(*path, param_name): linear(f"{prefix}.{proj}")
@@ -183,13 +209,17 @@ def dense_mlp_sources(path: tuple, prefix: str) -> dict:
                                    ("w_down_fd", "down_proj"))}
 
 
-def routed_expert_sources(path: tuple, prefix: str, num_experts: int) -> dict:
+def routed_expert_sources(path: tuple, prefix: str, num_experts: int,
+                          gate_up_paired: bool) -> dict:
   """Per-expert keys (`experts.{e}.gate_proj.weight`, what checkpoints hold) or the fused
-  [E, 2F, D] / [E, D, F] tensors that transformers >= 5 writes with save_original_format=False."""
-  parts = (("w_gate_edf", "gate_proj", "gate_up_proj", 0, 2),
-           ("w_up_edf", "up_proj", "gate_up_proj", 1, 2),
-           ("w_down_efd", "down_proj", "down_proj", 0, 1))
-  return {(*path, param_name): StackedExperts(f"{prefix}.{{e}}.{proj}.weight", num_experts,
-                                              fused=f"{prefix}.{fused}", fused_part=part,
-                                              fused_parts=count)
-          for param_name, proj, fused, part, count in parts}
+  [E, 2F, D] / [E, D, F] tensors that transformers >= 5 writes with save_original_format=False.
+  `gate_up_paired`: gate and up as one [E, D, 2, F] parameter `w_gate_up_ed2f` (RoutedExperts
+  in the model dtype), else as `w_gate_edf` and `w_up_edf` (block-fp8 weights)."""
+  stacked = lambda proj, fused, part, count: StackedExperts(
+      f"{prefix}.{{e}}.{proj}.weight", num_experts, fused=f"{prefix}.{fused}", fused_part=part,
+      fused_parts=count)
+  gate, up = stacked("gate_proj", "gate_up_proj", 0, 2), stacked("up_proj", "gate_up_proj", 1, 2)
+  sources = ({(*path, "w_gate_up_ed2f"): ExpertPair(gate, up)} if gate_up_paired
+             else {(*path, "w_gate_edf"): gate, (*path, "w_up_edf"): up})
+  sources[(*path, "w_down_efd")] = stacked("down_proj", "down_proj", 0, 1)
+  return sources

@@ -279,7 +279,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         sources[at("mlp", "gate", "e_score_correction_bias")] = Tensor(
             f"{p}.mlp.gate.e_score_correction_bias")
         sources.update(routed_expert_sources(at("mlp", "experts"), f"{p}.mlp.experts",
-                                              cfg.routing.num_experts))
+                                              cfg.routing.num_experts,
+                                              gate_up_paired=self.expert_fp8_block is None))
         if layer.mlp.shared_experts is not None:
           sources.update(dense_mlp_sources(at("mlp", "shared_experts"),
                                             f"{p}.mlp.shared_experts"))

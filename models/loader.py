@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import struct
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -230,24 +231,52 @@ def _place_fp8(abstract: BlockFp8Weights, source, reader: CheckpointReader, name
 def random_weights(model, seed: int = 0):
   """Fills the abstract parameters with random values (normal * init_scale, norms = 1).
 
-  Each parameter is drawn on device with its own key (fold_in of its position), with its
-  sharding as the output sharding, so large synthetic models never pass through the host.
+  Each parameter is drawn on device with its own key (fold_in of a hash of its path), with
+  its sharding as the output sharding, so large synthetic models never pass through the host.
+  Keys follow paths, not positions, so a model whose experts are block-fp8 draws the values
+  its bf16 twin draws (then quantizes them): the routed experts' gate and up pair
+  (`w_gate_up_ed2f`, bf16) is drawn as the two parameters the fp8 model holds apart.
   """
   graphdef, state = nnx.split(model)
   flat = nnx.to_flat_state(state)
   key = jax.random.key(seed)
-  for i, (path, variable) in enumerate(flat):
+  for path, variable in flat:
     if not isinstance(variable, nnx.Param):
       continue
     abstract = variable.get_value()
     scale = model.init_scale(path, abstract.shape)
-    key_i = jax.random.fold_in(key, i)
     if isinstance(abstract, BlockFp8Weights):  # the f32 draw, quantized
-      variable.set_value(_quantized(_random_array(key_i, _dense_abstract(abstract), scale),
-                                    abstract))
+      variable.set_value(_quantized(
+          _random_array(_path_key(key, path), _dense_abstract(abstract), scale), abstract))
+    elif path[-1] in _DRAWN_APART:
+      variable.set_value(_random_pair(key, path, abstract, scale))
     else:
-      variable.set_value(_random_array(key_i, abstract, scale))
+      variable.set_value(_random_array(_path_key(key, path), abstract, scale))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+# [E, D, 2, F] parameters drawn as their two [E, D, F] halves, under the names the block-fp8
+# model gives them
+_DRAWN_APART = {"w_gate_up_ed2f": ("w_gate_edf", "w_up_edf")}
+
+
+def _path_key(key, path: tuple):
+  return jax.random.fold_in(key, np.uint32(zlib.crc32("/".join(map(str, path)).encode())))
+
+
+def _random_pair(key, path: tuple, abstract: jax.ShapeDtypeStruct, scale: float | None):
+  E, D, _, F = abstract.shape
+  spec = tuple(abstract.sharding.spec) + (None,) * 4
+  half = jax.ShapeDtypeStruct((E, D, F), abstract.dtype, sharding=NamedSharding(
+      abstract.sharding.mesh, P(spec[0], spec[1], spec[3])))
+  halves = [_random_array(_path_key(key, (*path[:-1], name)), half, scale)
+            for name in _DRAWN_APART[path[-1]]]
+  return _stack_fn(abstract.sharding)(*halves)
+
+
+@functools.lru_cache(maxsize=None)
+def _stack_fn(sharding):
+  return jax.jit(lambda a, b: jnp.stack([a, b], axis=2), out_shardings=sharding)
 
 
 def _random_array(key, abstract: jax.ShapeDtypeStruct, scale: float | None):

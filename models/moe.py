@@ -16,16 +16,18 @@ Contract (what the models rely on):
     restored). Routing is the model's job: `topk_ids_tk` [T, K] int32 (`-1` = slot unused),
     `topk_weights_tk` [T, K] f32, already normalised/scaled as the model wants; the block
     returns sum_k w[t, k] * expert_{ids[t, k]}(x[t]) in the model dtype.
-  - Weights `w_gate_edf`, `w_up_edf` [E, D, F] and `w_down_efd` [E, F, D], sharded over
-    the expert axes (logical axis "experts": the data-parallel axis, and the tensor-parallel
-    one when there is one, ranks row-major): rank r holds experts [r*L, (r+1)*L). In
-    the model dtype, or with `fp8_block=(bn, bk)` as `grouped_gemm.BlockFp8Weights` of that
-    logical shape (e4m3 codes [E, out, in], the checkpoint's own layout, with one f32 scale
-    per bn x bk block; `sharding.fp8_param`), sharded the same way and fed to the grouped
-    GEMM as they are: where tokamax's fp8 kernel applies (Hopper, bf16 rows, the
-    conditions in grouped_gemm) it reads half the bytes of bf16 weights; elsewhere (CPU, f32
-    models, the "exact" wire) each call dequantizes them (f32 product, rounded to the model
-    dtype, as the loader's dequantizing path rounds them): the bf16-copy model's results.
+  - Weights `w_gate_up_ed2f` [E, D, 2, F] (gate and up side by side, one GEMM) and
+    `w_down_efd` [E, F, D], sharded over the expert axes (logical axis "experts": the
+    data-parallel axis, and the tensor-parallel one when there is one, ranks row-major):
+    rank r holds experts [r*L, (r+1)*L). In the model dtype, or with `fp8_block=(bn, bk)`
+    gate and up apart, `w_gate_edf`, `w_up_edf` [E, D, F], and all three as
+    `grouped_gemm.BlockFp8Weights` of that logical shape (e4m3 codes [E, out, in], the
+    checkpoint's own layout, with one f32 scale per bn x bk block; `sharding.fp8_param`),
+    sharded the same way and fed to the grouped GEMM as they are: where tokamax's fp8 kernel
+    applies (Hopper, bf16 rows, the conditions in grouped_gemm) it reads half the bytes of
+    bf16 weights; elsewhere (CPU, f32 models, the "exact" wire) each call dequantizes them
+    (f32 product, rounded to the model dtype, as the loader's dequantizing path rounds them):
+    the bf16-copy model's results.
   - Tokens are data-parallel over the data-parallel axis (dp groups): T is padded to
     dp * Tg and each group holds Tg rows, Tg = tp * ceil(T / (dp * tp)) (the real count is
     passed as `num_tokens`, so padding rows are never sent). With a tensor-parallel axis
@@ -233,11 +235,26 @@ class RoutedExperts(nnx.Module):
         return param(rules, shape, logical_axes, dtype)
       return fp8_param(rules, shape, logical_axes, fp8_block)
 
-    # "expert_mlp", not "mlp": the experts already take the tp axis, the dense MLP's rule
-    self.w_gate_edf = weight((num_experts, dim, hidden), ("experts", "embed", "expert_mlp"))
-    self.w_up_edf = weight((num_experts, dim, hidden), ("experts", "embed", "expert_mlp"))
+    # "expert_mlp", not "mlp": the experts already take the tp axis, the dense MLP's rule.
+    # Gate and up side by side, [E, D, 2, F] (tp splits F, so each shard's pair is one
+    # contiguous [E_l, D, 2 F_l] block): one grouped GEMM reads both (results/
+    # grouped-gemm-757ea6e/: 450.7 us against 2 x 231 at DeepSeek-V3's EP8 decode share).
+    # Block-fp8 weights keep them apart: their scales tile F by 128 within each of the two.
+    if fp8_block is None:
+      self.w_gate_up_ed2f = param(rules, (num_experts, dim, 2, hidden),
+                                  ("experts", "embed", None, "expert_mlp"), dtype)
+    else:
+      self.w_gate_edf = weight((num_experts, dim, hidden), ("experts", "embed", "expert_mlp"))
+      self.w_up_edf = weight((num_experts, dim, hidden), ("experts", "embed", "expert_mlp"))
     self.w_down_efd = weight((num_experts, hidden, dim), ("experts", "expert_mlp", "embed"))
     pool.register(self)
+
+  def weight_variables(self) -> tuple[nnx.Variable, ...]:
+    """The experts' weights in the order the GEMMs take them: (w_gate_up_ed2f, w_down_efd),
+    or (w_gate_edf, w_up_edf, w_down_efd) for block-fp8 weights."""
+    if hasattr(self, "w_gate_up_ed2f"):
+      return self.w_gate_up_ed2f, self.w_down_efd
+    return self.w_gate_edf, self.w_up_edf, self.w_down_efd
 
   def tokens_per_group(self, num_tokens: int) -> int:
     """Tg: rows each data-parallel group holds, a multiple of tp (equal shares to send)."""
@@ -265,9 +282,9 @@ class RoutedExperts(nnx.Module):
     def fused(x_td, ids_tk, weights_tk, *w):
       with jax.named_scope(stages.DISPATCH):
         r = c.comm.dispatch(*self._dispatch_args(c.T, c.Tp, x_td, ids_tk, weights_tk))
-      return self._experts_and_combine(c.comm, r, weights_tk, *w, c.dtype)
+      return self._experts_and_combine(c.comm, r, weights_tk, *w, dtype=c.dtype)
 
-    y_td = shard_map(fused, c.mesh, in_specs=(c.rows, c.rows, c.rows) + (c.experts,) * 3,
+    y_td = shard_map(fused, c.mesh, in_specs=(c.rows, c.rows, c.rows) + (c.experts,) * len(c.w),
                      out_specs=c.rows)(c.x_td, c.ids_tk, c.weights_tk, *c.w)
     return y_td[:c.T].reshape(*c.lead_shape, self.dim)
 
@@ -307,12 +324,12 @@ class RoutedExperts(nnx.Module):
     def recv(pending, weights_tk, *w):
       with jax.named_scope(stages.DISPATCH):
         r = c.comm.dispatch_recv(jax.tree.map(lambda a: a[0], pending))
-      return self._experts_and_combine(c.comm, r, weights_tk, *w, c.dtype)
+      return self._experts_and_combine(c.comm, r, weights_tk, *w, dtype=c.dtype)
 
     pending = shard_map(send, c.mesh, in_specs=(c.rows, c.rows, c.rows),
                         out_specs=c.experts)(c.x_td, c.ids_tk, c.weights_tk)
     pending = yield pending
-    y_td = shard_map(recv, c.mesh, in_specs=(c.experts, c.rows) + (c.experts,) * 3,
+    y_td = shard_map(recv, c.mesh, in_specs=(c.experts, c.rows) + (c.experts,) * len(c.w),
                      out_specs=c.rows)(pending, c.weights_tk, *c.w)
     return y_td[:c.T].reshape(*c.lead_shape, self.dim)
 
@@ -332,7 +349,7 @@ class RoutedExperts(nnx.Module):
     G, Tp = self.rules.axis_size, self.tokens_per_group(T)
     pad = G * Tp - T
     # get_value, not [...]: a BlockFp8Weights is a pytree, P(ax) shards each of its arrays
-    w = (self.w_gate_edf.get_value(), self.w_up_edf.get_value(), self.w_down_efd.get_value())
+    w = tuple(variable.get_value() for variable in self.weight_variables())
     # tokens over the groups (replicated inside a tp group), experts over every rank
     return _CallInputs(
         lead_shape=lead_shape, T=T, Tp=Tp, comm=comm, dtype=x_td.dtype, w=w,
@@ -356,7 +373,7 @@ class RoutedExperts(nnx.Module):
     device = self.rules.mesh.devices.flat[0]
     spec = P(self.rules.expert_axis)
     built = False
-    for variable in (self.w_gate_edf, self.w_up_edf, self.w_down_efd):
+    for variable in self.weight_variables():
       w = variable.get_value()
       if not isinstance(w, BlockFp8Weights) or w.kernel_scales is not None:
         continue
@@ -377,7 +394,7 @@ class RoutedExperts(nnx.Module):
     return built
 
   @staticmethod
-  def _experts(rows, group_sizes, w_gate, w_up, w_down, precision, out_dtype):
+  def _experts(rows, group_sizes, w, precision, out_dtype):
     """SwiGLU of each row with its local expert: grouped GEMMs over the dispatched layout,
     the hidden activation rounded to the rows' dtype (arrays or BlockFp8Weights; a shard's
     precomputed kernel unit [1] becomes the scalar the GEMM takes). The down projection
@@ -390,13 +407,20 @@ class RoutedExperts(nnx.Module):
         return dataclasses.replace(w, kernel_unit=w.kernel_unit[0])
       return w
 
-    w_gate, w_up, w_down = local(w_gate), local(w_up), local(w_down)
+    w = tuple(map(local, w))
     # rows past the groups stay unspecified: down reads only h's rows inside them and the
     # combine only the routed rows (docs/semantics.md), so no pass zeroes them
     dot = lambda a, w, out=jnp.float32: grouped_gemm.ragged_dot(
         a, w, group_sizes, precision=precision, preferred_element_type=out,
         implementation=GEMM_IMPLEMENTATION, rows_past_groups="unspecified")
-    gate, up = dot(rows, w_gate, rows.dtype), dot(rows, w_up, rows.dtype)
+    if len(w) == 2:  # [E, D, 2, F]: one GEMM with N = 2F, gate's F columns then up's
+      w_gate_up, w_down = w
+      E, D, _, F = w_gate_up.shape
+      gate_up = dot(rows, w_gate_up.reshape(E, D, 2 * F), rows.dtype).reshape(-1, 2, F)
+      gate, up = gate_up[:, 0], gate_up[:, 1]
+    else:
+      w_gate, w_up, w_down = w
+      gate, up = dot(rows, w_gate, rows.dtype), dot(rows, w_up, rows.dtype)
     f32 = lambda a: a.astype(jnp.float32)
     h = (jax.nn.silu(f32(gate)) * f32(up)).astype(rows.dtype)
     return dot(h, w_down, out_dtype)
@@ -412,14 +436,13 @@ class RoutedExperts(nnx.Module):
     ones = jnp.where(ids >= 0, 1.0, 0.0).astype(jnp.float32)
     return x_parts, ids, ones, self._real_tokens(T, Tp) * K
 
-  def _experts_and_combine(self, comm, r, weights_tk, w_gate, w_up, w_down, dtype):
+  def _experts_and_combine(self, comm, r, weights_tk, *w, dtype):
     """The dispatched rows `r` through the experts and back: this shard's [Tp, D] in dtype."""
     if self.wire != "exact":
       with jax.named_scope(stages.DISPATCH):
         rows = (jm.dequantize_fp8(r.x, r.scales, jnp.bfloat16) if comm.cfg.is_fp8 else r.x)
       with jax.named_scope(stages.EXPERTS):
-        y = self._experts(rows.astype(self.dtype), r.group_sizes, w_gate, w_up, w_down, None,
-                          jnp.bfloat16)
+        y = self._experts(rows.astype(self.dtype), r.group_sizes, w, None, jnp.bfloat16)
       with jax.named_scope(stages.COMBINE):
         out = comm.combine(y, r.handle)
       return out.astype(dtype)
@@ -428,8 +451,8 @@ class RoutedExperts(nnx.Module):
     # fp8 weights are dequantized in f32 by the GEMM (x's dtype), exactly as stored
     f32 = lambda w: w if isinstance(w, BlockFp8Weights) else w.astype(jnp.float32)
     with jax.named_scope(stages.EXPERTS):
-      y = self._experts(rows, r.group_sizes, f32(w_gate), f32(w_up), f32(w_down),
-                        jax.lax.Precision.HIGHEST, jnp.float32)
+      y = self._experts(rows, r.group_sizes, tuple(map(f32, w)), jax.lax.Precision.HIGHEST,
+                        jnp.float32)
     with jax.named_scope(stages.COMBINE):
       y_parts = comm.combine(split_f32(y), r.handle)                    # [Tp*K, 3D], exact
     y_tkd = join_f32(y_parts).reshape(*weights_tk.shape, self.dim)

@@ -255,7 +255,8 @@ class Qwen3MoeForCausalLM(CausalLM):
       if layer.is_moe:
         sources[("layers", i, "mlp", "router", "w")] = linear(f"{p}.mlp.gate")
         sources.update(routed_expert_sources(("layers", i, "mlp", "experts"),
-                                             f"{p}.mlp.experts", cfg.num_experts))
+                                             f"{p}.mlp.experts", cfg.num_experts,
+                                             gate_up_paired=self.expert_fp8_block is None))
       else:
         sources.update(dense_mlp_sources(("layers", i, "mlp"), f"{p}.mlp"))
     return sources

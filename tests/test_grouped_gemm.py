@@ -459,6 +459,35 @@ def test_models_fp8_kernel_scales_built_once_give_the_same_bits(rng, stand_in_ke
     assert not layer.precompute_kernel_scales()  # already built
 
 
+def test_models_bf16_experts_take_gate_and_up_in_one_gemm(rng, stand_in_kernel, monkeypatch):
+    """bf16 RoutedExperts on a stand-in Hopper with tokamax: two kernel calls a layer (gate and
+    up side by side, N = 2F, then down), finite, and bit for bit what lax.ragged_dot gives."""
+    from flax import nnx
+    from jax_moe.models import moe
+    from jax_moe.models.moe import CommunicatorPool, RoutedExperts
+    from jax_moe.models.sharding import ShardingRules
+
+    E, D, F, K, T = 8, 256, 128, 2, 21
+    rules = ShardingRules(make_mesh(1))
+    layer = RoutedExperts(E, D, F, experts_per_token=K, rules=rules,
+                          pool=CommunicatorPool(rules, "xla"), dtype=jnp.bfloat16, wire="bf16")
+    assert [v.get_value().shape for v in layer.weight_variables()] == [(E, D, 2, F), (E, F, D)]
+    for variable in layer.weight_variables():
+        shape = variable.get_value().shape
+        variable.set_value(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[1]),
+                                       jnp.bfloat16))
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.permutation(E)[:K] for _ in range(T)]), jnp.int32)
+    weights = jnp.full((T, K), 1.0 / K, jnp.float32)
+    layer.pool.prepare(T)
+    run = lambda: np.asarray(nnx.jit(lambda m, *a: m(*a))(layer, x, ids, weights), np.float32)  # noqa: E731
+    got = run()
+    assert len(stand_in_kernel) == 2, stand_in_kernel
+    monkeypatch.setattr(moe, "GEMM_IMPLEMENTATION", "lax")
+    np.testing.assert_array_equal(got, run())
+    assert np.isfinite(got).all()
+
+
 def test_models_fp8_kernel_scales_are_not_built_for_the_lax_path(rng, monkeypatch):
     from jax_moe.models import moe
 

@@ -495,14 +495,15 @@ def test_fp8_experts_kept_give_the_dequantizing_load_logits(fp8_saved, rng, ep_m
 def test_random_fp8_experts_equal_their_dequantized_copy(rng, ep_mesh):
   """f32 models (the exact exchange) with random weights: the fp8 model's experts are the
   dense model's draw quantized (BlockFp8Weights.quantize), and the dense model holding their
-  dequantized copy gives its logits bit for bit; the unquantized draw does not."""
+  dequantized copy gives its logits within f32 summation order (it runs gate and up as one
+  GEMM of twice the width, the fp8 model as two); the unquantized draw is 1e-3 away."""
   config = dict(deepseek_v3_config(n_routed_experts=16, n_group=4, topk_group=2).to_dict(),
                 quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
   build = lambda **kw: models.from_config(config, mesh=ep_mesh, backend="xla",
                                           dtype=jnp.float32, seed=3, **kw)
   fp8_model, model = build(expert_weights="fp8"), build()
   w8 = fp8_model.layers[1].mlp.experts.w_gate_edf.get_value()
-  dense = model.layers[1].mlp.experts.w_gate_edf.get_value()
+  dense = model.layers[1].mlp.experts.w_gate_up_ed2f.get_value()[:, :, 0]  # the same draw
   assert w8.block == (16, 16) and w8.scales.shape == (16, 1, 2)  # 16 x 32 per expert
   _assert_quantized(w8, dense)
 
@@ -511,11 +512,15 @@ def test_random_fp8_experts_equal_their_dequantized_copy(rng, ep_mesh):
   unquantized = np.asarray(models.forward(model, ids))
   for layer, layer_fp8 in zip(model.layers, fp8_model.layers):
     if layer.is_moe:
-      for name in ("w_gate_edf", "w_up_edf", "w_down_efd"):
-        variable = getattr(layer.mlp.experts, name)
-        w = getattr(layer_fp8.mlp.experts, name).get_value().dequantize(jnp.float32)
+      dequantized = lambda name: getattr(layer_fp8.mlp.experts, name).get_value().dequantize(
+          jnp.float32)
+      experts = layer.mlp.experts
+      for variable, w in ((experts.w_gate_up_ed2f, jnp.stack([dequantized("w_gate_edf"),
+                                                               dequantized("w_up_edf")], axis=2)),
+                          (experts.w_down_efd, dequantized("w_down_efd"))):
         variable.set_value(jax.device_put(w, variable.get_value().sharding))
-  np.testing.assert_array_equal(got, np.asarray(models.forward(model, ids)))
+  copy = np.asarray(models.forward(model, ids))
+  assert np.max(np.abs(got - copy)) <= 1e-5 * np.max(np.abs(copy))
   err = np.max(np.abs(got - unquantized)) / np.max(np.abs(unquantized))
   print(f"fp8 experts vs their unquantized draw (f32): {err:.2e}")
   assert err > 1e-3
@@ -525,7 +530,7 @@ def test_dense_checkpoint_is_quantized_on_load(saved, ep_mesh):
   """expert_weights="fp8" from a checkpoint without fp8 tensors: the experts' weights as
   BlockFp8Weights.quantize makes them (128 x 128 blocks: no quantization_config)."""
   _, path = saved("qlora_dense1_norm_yarn_groups2")
-  dense = _load(path, ep_mesh, "xla").layers[1].mlp.experts.w_up_edf.get_value()
+  dense = _load(path, ep_mesh, "xla").layers[1].mlp.experts.w_gate_up_ed2f.get_value()[:, :, 1]
   w8 = _load(path, ep_mesh, "xla", expert_weights="fp8").layers[1].mlp.experts.w_up_edf.get_value()
   assert w8.block == (128, 128)
   _assert_quantized(w8, dense)
@@ -595,7 +600,7 @@ def test_full_size_model_maps_onto_deepseek_v3_checkpoint_names(ep_mesh):
   for shapes in (fused, per_expert):
     loader.check_checkpoint(model, _ShapesOnly(shapes))
   assert [layer.is_moe for layer in model.layers[:4]] == [False, False, False, True]
-  experts = model.layers[3].mlp.experts.w_gate_edf.get_value()
-  assert experts.shape == (256, 7168, 2048) and experts.sharding.spec[0] == "ep"
+  experts = model.layers[3].mlp.experts.w_gate_up_ed2f.get_value()
+  assert experts.shape == (256, 7168, 2, 2048) and experts.sharding.spec[0] == "ep"
   assert model.layers[3].self_attn.kv_b_proj.w_uk_hcn.get_value().sharding.is_fully_replicated
   assert model.layers[3].mlp.gate.w_de.get_value().dtype == jnp.float32

@@ -43,9 +43,9 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path, rng, ep_mesh, check
 
 def test_weights_are_sharded_over_experts(ep_mesh, checkpoint):
   model = models.from_pretrained(checkpoint, mesh=ep_mesh, dtype=jnp.float32, progress=False)
-  w = model.layers[0].mlp.experts.w_gate_edf[...]
+  w = model.layers[0].mlp.experts.w_gate_up_ed2f[...]
   R = ep_mesh.devices.size
-  assert [s.data.shape for s in w.addressable_shards] == [(8 // R, 32, 16)] * R
+  assert [s.data.shape for s in w.addressable_shards] == [(8 // R, 32, 2, 16)] * R
   assert model.embed_tokens.table_vd[...].sharding.is_fully_replicated
 
 
@@ -124,3 +124,46 @@ def test_head_rows_take_each_heads_block_head_major(rng):
     HeadRows("kv_b.weight", heads, 3, 9).shape(reader)  # 8 rows a head
   with pytest.raises(CheckpointError, match=r"30 rows do not hold 4 heads"):
     keys.shape(_ArrayReader({"kv_b.weight": w[:30]}))
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_expert_pair_puts_gate_and_up_side_by_side(rng, layout):
+  """routed_expert_sources(gate_up_paired=True): [E, D, 2, F] with gate at [..., 0, :] and up
+  at [..., 1, :], from per-expert Linear weights or transformers' fused gate_up_proj; a
+  device's slice of any axis reads only that slice; block-fp8 experts keep them apart."""
+  from jax_moe.models.checkpoint import CheckpointError, ExpertPair, routed_expert_sources
+
+  E, D, F = 3, 5, 4
+  gate, up = (rng.normal(size=(E, F, D)).astype(np.float32) for _ in range(2))  # [E, out, in]
+  if layout == "per_expert":
+    arrays = {f"m.experts.{e}.{proj}.weight": w[e] for e in range(E)
+              for proj, w in (("gate_proj", gate), ("up_proj", up))}
+  else:
+    arrays = {"m.experts.gate_up_proj": np.concatenate([gate, up], axis=1)}
+  reader = _ArrayReader(arrays)
+  sources = routed_expert_sources(("experts",), "m.experts", E, gate_up_paired=True)
+  assert set(sources) == {("experts", "w_gate_up_ed2f"), ("experts", "w_down_efd")}
+  pair = sources[("experts", "w_gate_up_ed2f")]
+  assert pair.shape(reader) == (E, D, 2, F)
+  whole = pair.read(reader, (slice(None),) * 4)
+  np.testing.assert_array_equal(whole[:, :, 0], np.swapaxes(gate, 1, 2))
+  np.testing.assert_array_equal(whole[:, :, 1], np.swapaxes(up, 1, 2))
+  part = (slice(1, 3), slice(0, 4), slice(1, 2), slice(2, 4))  # experts 1-2, up, F 2-3
+  np.testing.assert_array_equal(pair.read(reader, part), whole[part])
+  apart = routed_expert_sources(("experts",), "m.experts", E, gate_up_paired=False)
+  assert set(apart) == {("experts", n) for n in ("w_gate_edf", "w_up_edf", "w_down_efd")}
+  if layout == "per_expert":  # an up of another width cannot sit beside gate
+    arrays.update({f"m.experts.{e}.up_proj.weight": up[e, :3] for e in range(E)})
+    with pytest.raises(CheckpointError, match="must match to sit side by side"):
+      ExpertPair(apart[("experts", "w_gate_edf")], apart[("experts", "w_up_edf")]).shape(reader)
+
+
+def test_random_weights_draw_the_gate_up_pair_at_its_fan_in(ep_mesh):
+  """The [E, D, 2, F] pair is drawn with std D^-1/2 (its fan-in is D, not the pair axis), its
+  two halves from different keys."""
+  model = models.tiny("tiny-qwen3-moe", mesh=ep_mesh, backend="xla", dtype=jnp.float32, seed=3)
+  layer = next(layer for layer in model.layers if layer.is_moe)
+  pair = np.asarray(layer.mlp.experts.w_gate_up_ed2f[...])
+  D = pair.shape[1]
+  assert abs(pair.std() * D ** 0.5 - 1) < 0.1, pair.std()
+  assert not np.array_equal(pair[:, :, 0], pair[:, :, 1])

@@ -43,15 +43,16 @@ def _routing(rng, T, E, K):
 
 
 def _dense(x, ids, w, weights, round_h):
-  """out[t] = sum_k w[t,k] silu(x W_g) * (x W_u) W_d of expert ids[t,k], in f64; and M."""
+  """out[t] = sum_k w[t,k] silu(x W_g) * (x W_u) W_d of expert ids[t,k], in f64; and M.
+  `round_h` rounds to the model dtype: x W_g, x W_u (the GEMMs write the rows' dtype) and h."""
   T, K = ids.shape
   out = np.zeros((T, weights["w_down_efd"].shape[-1]))
   magnitude = np.zeros_like(out)
   for t in range(T):
     for k in range(K):
       e = ids[t, k]
-      gate = x[t].astype(np.float64) @ weights["w_gate_edf"][e]
-      up = x[t].astype(np.float64) @ weights["w_up_edf"][e]
+      gate = round_h(x[t].astype(np.float64) @ weights["w_gate_up_ed2f"][e][:, 0])
+      up = round_h(x[t].astype(np.float64) @ weights["w_gate_up_ed2f"][e][:, 1])
       h = gate / (1 + np.exp(-gate)) * up
       h = round_h(h)
       out[t] += w[t, k] * (h @ weights["w_down_efd"][e])

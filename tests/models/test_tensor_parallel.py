@@ -124,7 +124,7 @@ def test_tp_layout_places_heads_kv_heads_mlp_and_experts():
   assert spec(attn.q.w) == (None, "tp") and spec(attn.o.w) == ("tp", None)
   assert spec(attn.k.w) == (None, None)
   assert spec(model.layers[0].mlp.w_down_fd) == ("tp", None)
-  assert spec(model.layers[1].mlp.experts.w_up_edf)[0] == ("dp", "tp")
+  assert spec(model.layers[1].mlp.experts.w_gate_up_ed2f) == (("dp", "tp"), None, None, None)
   cache_k, _ = model.init_cache(batch=2, max_len=4).layers[0]
   assert cache_k.shape[2] == 4 and tuple(cache_k.sharding.spec) == ("dp", None, "tp", None)
   assert "tensor-parallel over 'tp' (4 way" in model.layout()
