@@ -2,6 +2,7 @@
 asserted: the output must name the layout and the numbers, and the JSON must be complete)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -192,7 +193,9 @@ def test_bench_decode_keeps_each_result_when_a_later_one_fails(tmp_path, monkeyp
                        "--ep", "2", "--no-stages", "--no-bf16-parity", "--out", str(tmp_path)])
   payload = json.loads((tmp_path / "decode_cpu-x2.json").read_text())
   assert [r["label"] for r in payload["results"]] == ["tiny-qwen3-moe b4 xla"]
-  assert payload["results"][0]["time"]["median_us"] > 0
+  # timed (its sign is noise here: one rep of (t(4 steps) - t(1 step)) / 3 on a busy 2-core
+  # machine came out at -1894 us; what this test checks is that the result was kept)
+  assert math.isfinite(payload["results"][0]["time"]["median_us"])
   assert payload["parity"]["tiny-qwen3-moe"]["bf16_parity"] is False
   err = capsys.readouterr().err
   assert "tiny-qwen3-moe b4 xla: decode timed" in err and " s] " in err
