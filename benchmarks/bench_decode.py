@@ -107,6 +107,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="run the shared experts (DeepSeek-V3's) between the halves of each MoE "
                       "layer's dispatch, while the routed rows travel (off in the models by "
                       "default until this measures the gain; the check twins take it too)")
+  p.add_argument("--fuse-shared-experts", action="store_true",
+                 help="run DeepSeek-V3's shared expert as one more expert slot of every token, "
+                      "in the routed experts' grouped GEMMs (the bf16 check twin takes it too; "
+                      "the f32 exact twins cannot: their wire sends each slot apart)")
   p.add_argument("--two-batch-overlap", action="store_true",
                  help="run each batch as two micro-batches, one's layers while the other's "
                       "dispatch travels (models.two_batch; the check twins take it too)")
@@ -168,11 +172,12 @@ def model_config(name: str, layers: int | None) -> dict:
 
 
 def _build(name, mesh, backend, dtype, wire, seed, layers=None, expert_weights="dtype",
-           overlap_shared_experts=False, two_batch_overlap=False):
+           overlap_shared_experts=False, two_batch_overlap=False, fuse_shared_experts=False):
   return models.from_config(model_config(name, layers), mesh=mesh, backend=backend, dtype=dtype,
                             wire=wire, seed=seed, expert_weights=expert_weights,
                             overlap_shared_experts=overlap_shared_experts,
-                            two_batch_overlap=two_batch_overlap)
+                            two_batch_overlap=two_batch_overlap,
+                            fuse_shared_experts=fuse_shared_experts)
 
 
 def bytes_on_first_device(tree) -> int:
@@ -206,7 +211,8 @@ def check_backends(name, mesh, backends, args, batch) -> dict:
     for backend in backends:
       model = _build(name, mesh, backend, dtype, wire, args.seed, layers,
                      overlap_shared_experts=args.overlap_shared_experts,
-                     two_batch_overlap=args.two_batch_overlap)
+                     two_batch_overlap=args.two_batch_overlap,
+                     fuse_shared_experts=args.fuse_shared_experts and wire != "exact")
       with jax.default_matmul_precision(precision):
         logits[backend] = np.asarray(models.forward(model, _prompt(model, batch, args.prompt_len,
                                                                     args.seed)))
@@ -301,7 +307,8 @@ def time_model(name, mesh, backend, args, batch, read, prefill_may_fail=False,
   memory is recorded as such and the decode starts from an empty cache (a step reads the
   whole cache, masked, so it costs the same at any position)."""
   model = _build(name, mesh, backend, jnp.bfloat16, args.wire, args.seed, args.layers,
-                 args.expert_weights, args.overlap_shared_experts, args.two_batch_overlap)
+                 args.expert_weights, args.overlap_shared_experts, args.two_batch_overlap,
+                 args.fuse_shared_experts)
   ids = _prompt(model, batch, args.prompt_len, args.seed)
   # the prompt is prefilled at max_len = prompt + steps so one cache shape serves every n
   max_len = args.prompt_len + args.steps + 1
@@ -515,6 +522,7 @@ def main(argv=None) -> int:
                    "expert_weights": args.expert_weights,
                    "overlap_shared_experts": args.overlap_shared_experts,
                    "two_batch_overlap": args.two_batch_overlap,
+                   "fuse_shared_experts": args.fuse_shared_experts,
                    "dtype": "bfloat16", "backends": backends, "seed": args.seed,
                    "models": {name: model_config(name, args.layers) for name in args.models}},
         "read_bandwidth": read,

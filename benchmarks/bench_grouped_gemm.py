@@ -80,6 +80,11 @@ SHAPES = {
     "decode-dsv3-qkv-a": (128, 1, 7168, 2112, "decode"),
     "decode-dsv3-q-b": (128, 1, 1536, 24576, "decode"),
     "decode-dsv3-o": (128, 1, 16384, 7168, "decode"),
+    "decode-dsv3-lm-head": (128, 1, 7168, 129280, "decode"),
+    # the routed experts' GEMMs with the shared expert as one more group of the 128 tokens
+    # (its weights stored with the routed ones): one kernel where the step runs two
+    "decode-dsv3-ep8-gateup-shared": (1152, 33, 7168, 4096, "decode"),
+    "decode-dsv3-ep8-down-shared": (1152, 33, 2048, 7168, "decode"),
 }
 QUICK_SHAPES = {
     "decode-tiny": (64, 8, 256, 128, "decode"),

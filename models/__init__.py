@@ -30,7 +30,8 @@ from jax_moe.models.tiny import TINY_CONFIGS
 
 def _build(config: dict, mesh, axis: str | None, backend: str, dtype, wire,
            expert_weights="dtype", tp_axis: str | None = None,
-           overlap_shared_experts: bool = False, two_batch_overlap: bool = False):
+           overlap_shared_experts: bool = False, two_batch_overlap: bool = False,
+           fuse_shared_experts: bool = False):
   if not isinstance(config, dict):
     raise TypeError(f"config must be a config.json dict, got {type(config).__name__}")
   cls = model_class(config.get("model_type"))
@@ -41,7 +42,7 @@ def _build(config: dict, mesh, axis: str | None, backend: str, dtype, wire,
   rules = ShardingRules.of_mesh(mesh, axis, tp_axis)
   return cls(config, rules=rules, backend=backend, dtype=dtype, wire=wire,
              expert_weights=expert_weights, overlap_shared_experts=overlap_shared_experts,
-             two_batch_overlap=two_batch_overlap)
+             two_batch_overlap=two_batch_overlap, fuse_shared_experts=fuse_shared_experts)
 
 
 def _kernel_ready(model):
@@ -57,7 +58,7 @@ def from_pretrained(path: str, mesh=None, backend: str = "auto", dtype=jnp.bfloa
                     axis: str | None = None, tp_axis: str | None = None,
                     wire: str | None = None, expert_weights: str = "dtype",
                     overlap_shared_experts: bool = False, two_batch_overlap: bool = False,
-                    progress: bool = True):
+                    fuse_shared_experts: bool = False, progress: bool = True):
   """Loads a Hugging Face checkpoint directory (config.json + safetensors) onto `mesh`.
 
   mesh: None (every local device on "ep"), a 1-D mesh, or a ("dp", "tp") mesh; `axis` and
@@ -73,10 +74,14 @@ def from_pretrained(path: str, mesh=None, backend: str = "auto", dtype=jnp.bfloa
   two_batch_overlap: run each batch that splits into two micro-batches per shard as two, one's
   layers while the other's dispatch travels (models.two_batch); the logits up to the halves'
   roundings. Off by default: the gain is not measured yet.
+  fuse_shared_experts: run the shared expert (DeepSeek-V3's one) as one more expert slot of
+  every token, in the routed experts' grouped GEMMs (its weights loaded into their slots);
+  the bf16 or fp8 wire, expert_weights="dtype", no tp axis. Models without shared experts
+  ignore it.
   """
   reader = loader.CheckpointReader(path)
   model = _build(reader.config, mesh, axis, backend, dtype, wire, expert_weights, tp_axis,
-                 overlap_shared_experts, two_batch_overlap)
+                 overlap_shared_experts, two_batch_overlap, fuse_shared_experts)
   return _kernel_ready(loader.load_weights(model, reader, progress))
 
 
@@ -84,13 +89,13 @@ def from_config(config: dict, mesh=None, backend: str = "auto", dtype=jnp.bfloat
                 axis: str | None = None, tp_axis: str | None = None,
                 wire: str | None = None, expert_weights: str = "dtype",
                 overlap_shared_experts: bool = False, two_batch_overlap: bool = False,
-                seed: int = 0):
+                fuse_shared_experts: bool = False, seed: int = 0):
   """A model of a config.json dict with random weights (fixed seed), placed on `mesh` (as
   from_pretrained takes it, options included); with expert_weights="fp8" the experts' random
   weights are block-fp8 quantized."""
   return _kernel_ready(loader.random_weights(
       _build(config, mesh, axis, backend, dtype, wire, expert_weights, tp_axis,
-             overlap_shared_experts, two_batch_overlap), seed))
+             overlap_shared_experts, two_batch_overlap, fuse_shared_experts), seed))
 
 
 def tiny(name: str, **kwargs):

@@ -6,8 +6,8 @@ its module lazily (`qwen3_moe` -> `jax_moe.models.qwen3_moe.Qwen3MoeForCausalLM`
 
 A model class subclasses `CausalLM` (an `nnx.Module`), which is built as
 `cls(config: dict, *, rules: ShardingRules, backend="auto", dtype=bf16, wire=None,
-expert_weights="dtype", overlap_shared_experts=False, two_batch_overlap=False)` with `config`
-the parsed config.json;
+expert_weights="dtype", overlap_shared_experts=False, two_batch_overlap=False,
+fuse_shared_experts=False)` with `config` the parsed config.json;
 `expert_weights` is how the routed experts hold their weights: "dtype" (the model dtype) or
 "fp8" (block-fp8, `grouped_gemm.BlockFp8Weights`, with the block of config.json's
 `quantization_config`, else 128 x 128; see jax_moe.models.moe). `overlap_shared_experts`
@@ -15,7 +15,11 @@ runs the shared experts between the halves of each MoE layer's dispatch (off by 
 gain is not measured yet); it goes into the config of models with shared experts
 (`n_shared_experts`, DeepSeek-V3) and changes nothing in the others. `two_batch_overlap` runs
 a batch as two micro-batches, one's layers while the other's dispatch is in flight
-(models.two_batch; off by default, the gain is not measured yet). The class declares
+(models.two_batch; off by default, the gain is not measured yet). `fuse_shared_experts` runs
+a model's one shared expert as one more expert slot of every token, in the routed experts'
+grouped GEMMs (jax_moe.models.moe: `shared_expert`; its weights then sit in the routed
+experts' parameters); like the overlap, models without shared experts ignore it. The class
+declares
 
   config_class
       `config_class.from_hf(config)` -> a frozen dataclass (hashable, static values only: no
@@ -65,7 +69,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_moe.models import fp8_weights, layers, stages, two_batch
-from jax_moe.models.checkpoint import CheckpointError, Tensor, linear
+from jax_moe.models.checkpoint import GATE_UP_PAIR, CheckpointError, Tensor, linear
 from jax_moe.models.moe import CommunicatorPool
 from jax_moe.models.sharding import ShardingRules
 
@@ -101,6 +105,17 @@ class Cache:
   index: jax.Array  # int32 scalar
 
 
+def _check_fused_shared_experts(cfg) -> None:
+  """fuse_shared_experts puts one shared expert into the routed experts' slots: it must have
+  their width, and it cannot also run between the dispatch halves."""
+  if cfg.n_shared_experts != 1:
+    raise ValueError(f"fuse_shared_experts needs n_shared_experts == 1 (one expert slot of the "
+                     f"routed experts' width), got {cfg.n_shared_experts}")
+  if cfg.overlap_shared_experts:
+    raise ValueError("fuse_shared_experts and overlap_shared_experts exclude each other: the "
+                     "fused shared expert runs in the routed experts' GEMMs")
+
+
 class CausalLM(nnx.Module):
   """Base of the model classes; see the module docstring for the contract."""
 
@@ -109,7 +124,8 @@ class CausalLM(nnx.Module):
 
   def __init__(self, config: dict, *, rules: ShardingRules, backend: str = "auto",
                dtype=jnp.bfloat16, wire: str | None = None, expert_weights: str = "dtype",
-               overlap_shared_experts: bool = False, two_batch_overlap: bool = False):
+               overlap_shared_experts: bool = False, two_batch_overlap: bool = False,
+               fuse_shared_experts: bool = False):
     """The decoder trunk: embed_tokens [V, D], layers, final norm, lm_head (None if tied)."""
     if expert_weights not in EXPERT_WEIGHTS:
       raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
@@ -124,6 +140,9 @@ class CausalLM(nnx.Module):
     # Only a model with shared experts has something to overlap, and a field to hold it.
     if overlap_shared_experts and getattr(cfg, "n_shared_experts", 0):
       cfg = dataclasses.replace(cfg, overlap_shared_experts=True)
+    if fuse_shared_experts and getattr(cfg, "n_shared_experts", 0):
+      _check_fused_shared_experts(cfg)
+      cfg = dataclasses.replace(cfg, fuse_shared_experts=True)
     self.cfg = cfg
     kw = dict(rules=rules, dtype=self.dtype)
     self.embed_tokens = layers.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
@@ -215,7 +234,7 @@ class CausalLM(nnx.Module):
     if len(shape) == 1:
       return None
     # [..., in, out]; the routed experts' gate and up pair, [E, D, 2, F], has its fan-in at D
-    fan_in = shape[1] if path[-1] == "w_gate_up_ed2f" else shape[-2]
+    fan_in = shape[1] if path[-1] == GATE_UP_PAIR else shape[-2]
     return fan_in ** -0.5
 
   def layout(self) -> str:

@@ -30,6 +30,12 @@ Sources:
                                   values when the checkpoint has none.
   ExpertPair(first, second)       two StackedExperts side by side, [E, in, 2, out] (the routed
                                   experts' gate and up as one parameter).
+  TensorPair(first, second)       two [in, out] Tensors side by side, [in, 2, out] (a shared
+                                  expert's gate and up).
+  SharedSlots(routed, shared, experts_per_shard)
+                                  the routed experts [E, ...] with the shared expert [...] in
+                                  front of each shard's L experts: [E + E / L, ...]
+                                  (RoutedExperts with `shared_expert`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ import dataclasses
 import numpy as np
 
 from jax_moe.models.fp8_weights import SCALE_SUFFIX
+
+# The name of the routed experts' [E, D, 2, F] gate-and-up parameter (models.moe.RoutedExperts),
+# which the loader's random init and the models' init scales single out too.
+GATE_UP_PAIR = "w_gate_up_ed2f"
 
 
 class CheckpointError(ValueError):
@@ -202,6 +212,71 @@ class ExpertPair:
     return np.stack([part.read(reader, (index[0], index[1], index[3])) for part in parts], axis=2)
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorPair:
+  """Two [in, out] sources side by side as one [in, 2, out] parameter (a shared expert's gate
+  and up, in the routed experts' layout)."""
+  first: Tensor
+  second: Tensor
+
+  def names(self, reader) -> list[str]:
+    return [*self.first.names(reader), *self.second.names(reader)]
+
+  def shape(self, reader) -> tuple[int, ...]:
+    shapes = {self.first.shape(reader), self.second.shape(reader)}
+    if len(shapes) != 1:
+      raise CheckpointError(f"{self.first.name} and {self.second.name}: shapes "
+                            f"{sorted(shapes)} differ; they must match to sit side by side")
+    dim_in, dim_out = shapes.pop()
+    return (dim_in, 2, dim_out)
+
+  def read(self, reader, index) -> np.ndarray:
+    p0, p1 = _bounds(index[1], 2)
+    parts = (self.first, self.second)[p0:p1]
+    return np.stack([part.read(reader, (index[0], index[2])) for part in parts], axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedSlots:
+  """The routed experts [E, ...] with one shared expert [...] in front of each shard's L
+  experts, as one [E + R, ...] parameter (R = E / L shards): slot s * (L + 1) is the shared
+  expert, slot s * (L + 1) + 1 + i is routed expert s * L + i (RoutedExperts'
+  `shared_expert`: the shared expert runs in the routed experts' grouped GEMM)."""
+  routed: StackedExperts | ExpertPair
+  shared: Tensor | TensorPair
+  experts_per_shard: int
+
+  def names(self, reader) -> list[str]:
+    return list(dict.fromkeys(self.routed.names(reader) + self.shared.names(reader)))
+
+  def shape(self, reader) -> tuple[int, ...]:
+    E, *rest = self.routed.shape(reader)
+    L = self.experts_per_shard
+    if E % L:
+      raise CheckpointError(f"{E} routed experts do not split into shards of {L}")
+    shared = tuple(self.shared.shape(reader))
+    if shared != tuple(rest):
+      raise CheckpointError(f"shared expert {shared} and routed experts {tuple(rest)}: "
+                            f"fuse_shared_experts needs one shape for both")
+    return (E + E // L, *rest)
+
+  def read(self, reader, index) -> np.ndarray:
+    j0, j1 = _bounds(index[0], self.shape(reader)[0])
+    slots = self.experts_per_shard + 1
+    parts, j = [], j0
+    while j < j1:  # one shared slot or one shard's run of routed slots per pass
+      shard, slot = divmod(j, slots)
+      if slot == 0:
+        parts.append(self.shared.read(reader, tuple(index[1:]))[None])
+        j += 1
+        continue
+      stop = min(j1, (shard + 1) * slots)
+      first = shard * self.experts_per_shard + slot - 1
+      parts.append(self.routed.read(reader, (slice(first, first + stop - j), *index[1:])))
+      j = stop
+    return np.concatenate(parts)
+
+
 def dense_mlp_sources(path: tuple, prefix: str) -> dict:
   """The SwiGLU MLP under `path` from `{prefix}.{gate,up,down}_proj.weight`."""
   return {(*path, param_name): linear(f"{prefix}.{proj}")
@@ -210,16 +285,28 @@ def dense_mlp_sources(path: tuple, prefix: str) -> dict:
 
 
 def routed_expert_sources(path: tuple, prefix: str, num_experts: int,
-                          gate_up_paired: bool) -> dict:
+                          gate_up_paired: bool, shared: tuple[str, int] | None = None) -> dict:
   """Per-expert keys (`experts.{e}.gate_proj.weight`, what checkpoints hold) or the fused
   [E, 2F, D] / [E, D, F] tensors that transformers >= 5 writes with save_original_format=False.
-  `gate_up_paired`: gate and up as one [E, D, 2, F] parameter `w_gate_up_ed2f` (RoutedExperts
-  in the model dtype), else as `w_gate_edf` and `w_up_edf` (block-fp8 weights)."""
+  `gate_up_paired`: gate and up as one [E, D, 2, F] parameter `GATE_UP_PAIR` (RoutedExperts
+  in the model dtype), else as `w_gate_edf` and `w_up_edf` (block-fp8 weights).
+  `shared`: (the shared expert's prefix, experts per shard): the shared expert in front of each
+  shard's routed experts (SharedSlots; paired gate and up only)."""
   stacked = lambda proj, fused, part, count: StackedExperts(
       f"{prefix}.{{e}}.{proj}.weight", num_experts, fused=f"{prefix}.{fused}", fused_part=part,
       fused_parts=count)
   gate, up = stacked("gate_proj", "gate_up_proj", 0, 2), stacked("up_proj", "gate_up_proj", 1, 2)
-  sources = ({(*path, "w_gate_up_ed2f"): ExpertPair(gate, up)} if gate_up_paired
+  down = stacked("down_proj", "down_proj", 0, 1)
+  if shared is not None:
+    if not gate_up_paired:
+      raise ValueError("routed_expert_sources: a shared expert in the routed slots needs "
+                       "gate_up_paired=True (block-fp8 experts keep the shared one apart)")
+    shared_prefix, per_shard = shared
+    pair = TensorPair(linear(f"{shared_prefix}.gate_proj"), linear(f"{shared_prefix}.up_proj"))
+    return {(*path, GATE_UP_PAIR): SharedSlots(ExpertPair(gate, up), pair, per_shard),
+            (*path, "w_down_efd"): SharedSlots(down, linear(f"{shared_prefix}.down_proj"),
+                                               per_shard)}
+  sources = ({(*path, GATE_UP_PAIR): ExpertPair(gate, up)} if gate_up_paired
              else {(*path, "w_gate_edf"): gate, (*path, "w_up_edf"): up})
-  sources[(*path, "w_down_efd")] = stacked("down_proj", "down_proj", 0, 1)
+  sources[(*path, "w_down_efd")] = down
   return sources

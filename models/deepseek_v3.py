@@ -68,6 +68,10 @@ class DeepseekV3Config:
   # between the dispatch's halves, while the routed rows travel. Off until the gain is
   # measured on GPUs (benchmarks/bench_decode.py --overlap-shared-experts).
   overlap_shared_experts: bool = False
+  # A run option as well: the shared expert (one, of the routed experts' width) runs as one
+  # more expert slot of every token in the routed experts' grouped GEMMs
+  # (RoutedExperts.shared_expert; bench_decode.py --fuse-shared-experts).
+  fuse_shared_experts: bool = False
 
   @classmethod
   def from_hf(cls, config: dict) -> "DeepseekV3Config":
@@ -168,11 +172,13 @@ class DeepseekV3MoE(nnx.Module):
     self.gate = TopkRouter(routing, cfg.hidden_size, rules=rules)
     self.experts = RoutedExperts(routing.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                  experts_per_token=routing.top_k, rules=rules, pool=pool,
-                                 dtype=dtype, wire=wire, fp8_block=fp8_block)
+                                 dtype=dtype, wire=wire, fp8_block=fp8_block,
+                                 shared_expert=cfg.fuse_shared_experts)
+    # fused, the shared expert lives in the routed experts' slots (RoutedExperts.shared_expert)
     self.shared_experts = (layers.DenseMLP(cfg.hidden_size,
                                            cfg.moe_intermediate_size * cfg.n_shared_experts,
                                            rules=rules, pool=pool, dtype=dtype)
-                           if cfg.n_shared_experts else None)
+                           if cfg.n_shared_experts and not cfg.fuse_shared_experts else None)
     self.overlap_shared_experts = cfg.overlap_shared_experts
 
   def steps(self, x_bsd, slot: int):
@@ -247,8 +253,10 @@ class DeepseekV3ForCausalLM(CausalLM):
     return self.final_logits(x_bsd, self.embed_tokens, cache, new_layers, logits_to_keep)
 
   def layout(self) -> str:
-    overlap = self.cfg.overlap_shared_experts
-    return super().layout() + (", shared experts between the dispatch halves" if overlap else "")
+    cfg = self.cfg
+    return super().layout() + (
+        ", shared experts between the dispatch halves" if cfg.overlap_shared_experts else
+        ", the shared expert in the routed experts' GEMMs" if cfg.fuse_shared_experts else "")
 
   def init_cache(self, batch: int, max_len: int) -> Cache:
     def place(array_bsx):
@@ -278,9 +286,12 @@ class DeepseekV3ForCausalLM(CausalLM):
         sources[at("mlp", "gate", "w_de")] = linear(f"{p}.mlp.gate")
         sources[at("mlp", "gate", "e_score_correction_bias")] = Tensor(
             f"{p}.mlp.gate.e_score_correction_bias")
+        shared = ((f"{p}.mlp.shared_experts", layer.mlp.experts.experts_per_shard)
+                  if cfg.fuse_shared_experts else None)
         sources.update(routed_expert_sources(at("mlp", "experts"), f"{p}.mlp.experts",
                                               cfg.routing.num_experts,
-                                              gate_up_paired=self.expert_fp8_block is None))
+                                              gate_up_paired=self.expert_fp8_block is None,
+                                              shared=shared))
         if layer.mlp.shared_experts is not None:
           sources.update(dense_mlp_sources(at("mlp", "shared_experts"),
                                             f"{p}.mlp.shared_experts"))

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_moe.grouped_gemm import BlockFp8Weights
-from jax_moe.models.checkpoint import CheckpointError
+from jax_moe.models.checkpoint import GATE_UP_PAIR, CheckpointError
 from jax_moe.models import fp8_weights
 
 _DTYPES = {
@@ -257,7 +257,7 @@ def random_weights(model, seed: int = 0):
 
 # [E, D, 2, F] parameters drawn as their two [E, D, F] halves, under the names the block-fp8
 # model gives them
-_DRAWN_APART = {"w_gate_up_ed2f": ("w_gate_edf", "w_up_edf")}
+_DRAWN_APART = {GATE_UP_PAIR: ("w_gate_edf", "w_up_edf")}
 
 
 def _path_key(key, path: tuple):

@@ -35,6 +35,13 @@ Contract (what the models rely on):
     Communicator runs in its DP-group mode (`replicated_over` the tp axis): each rank of a
     group sends its Tg / tp rows, and every rank gets all Tg outputs of its group. Works
     inside or outside jit, with any jax_moe backend.
+  - `shared_expert=True` (DeepSeek-V3's `fuse_shared_experts`): a shared expert of the routed
+    experts' shape sits in front of each shard's experts (slots [E + R]: slot s * (L + 1) is
+    shard s's copy, slot s * (L + 1) + 1 + i routed expert s * L + i; checkpoint.SharedSlots)
+    and every token goes to its own shard's copy with weight 1 as one more slot, so the block
+    returns routed sum + shared(x) from the routed experts' GEMMs: one kernel per projection
+    where a separate shared MLP takes two more. The bf16 and fp8 wires, weights in the model
+    dtype, no tp axis.
   - `overlapped` gives the same y_td, bit for bit (its dispatch goes as dispatch_send and
     dispatch_recv, which give the fused op's bits), and module(x_td), an nnx.Module run under
     the named scope `scope` between the two halves, while the rows travel (DeepSeek-V3's
@@ -85,6 +92,17 @@ GEMM_IMPLEMENTATION = "auto"  # grouped_gemm.ragged_dot's `implementation` for t
 # set jnp.float32 for f32 partials). Decode-sized calls keep "source" mode.
 EXPERT_REDUCE_MIN_TOKENS = 256
 PARTIAL_DTYPE = jnp.bfloat16
+
+
+def _check_shared_expert(wire: str, fp8_block, rules: ShardingRules) -> None:
+  """Where RoutedExperts can hold a shared expert in its slots (fuse_shared_experts)."""
+  why = ("the 'exact' wire sends each (token, slot) apart" if wire == "exact" else
+         "block-fp8 experts keep gate and up apart" if fp8_block is not None else
+         f"a tensor-parallel axis ({rules.tp_size} ranks) splits the shared expert's tokens"
+         if rules.tp_size > 1 else None)
+  if why:
+    raise ValueError(f"RoutedExperts: shared_expert (fuse_shared_experts) needs the bf16 or "
+                     f"fp8 wire, experts in the model dtype and no tp axis: {why}")
 
 
 def default_wire(dtype) -> str:
@@ -216,15 +234,21 @@ class RoutedExperts(nnx.Module):
 
   def __init__(self, num_experts: int, dim: int, hidden: int, *, experts_per_token: int,
                rules: ShardingRules, pool: CommunicatorPool, dtype, wire: str | None = None,
-               fp8_block: tuple[int, int] | None = None):
+               fp8_block: tuple[int, int] | None = None, shared_expert: bool = False):
     wire = wire or default_wire(dtype)
     if wire not in WIRES:
       raise ValueError(f"RoutedExperts: wire must be one of {WIRES}, got {wire!r}")
     if num_experts % rules.expert_size:
       raise ValueError(f"RoutedExperts: num_experts ({num_experts}) must be divisible by the "
                        f"devices the experts are sharded over ({rules.expert_size})")
+    if shared_expert:
+      _check_shared_expert(wire, fp8_block, rules)
     self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
     self.experts_per_token = experts_per_token
+    self.shared_expert = bool(shared_expert)
+    self.experts_per_shard = num_experts // rules.expert_size
+    # expert slots: with a shared expert, each shard's slot 0 holds it (_with_shared_slot)
+    slots = num_experts + (rules.expert_size if shared_expert else 0)
     self.wire = wire
     self.dtype = jnp.dtype(dtype)
     self.rules = rules
@@ -241,12 +265,12 @@ class RoutedExperts(nnx.Module):
     # grouped-gemm-757ea6e/: 450.7 us against 2 x 231 at DeepSeek-V3's EP8 decode share).
     # Block-fp8 weights keep them apart: their scales tile F by 128 within each of the two.
     if fp8_block is None:
-      self.w_gate_up_ed2f = param(rules, (num_experts, dim, 2, hidden),
+      self.w_gate_up_ed2f = param(rules, (slots, dim, 2, hidden),
                                   ("experts", "embed", None, "expert_mlp"), dtype)
     else:
       self.w_gate_edf = weight((num_experts, dim, hidden), ("experts", "embed", "expert_mlp"))
       self.w_up_edf = weight((num_experts, dim, hidden), ("experts", "embed", "expert_mlp"))
-    self.w_down_efd = weight((num_experts, hidden, dim), ("experts", "expert_mlp", "embed"))
+    self.w_down_efd = weight((slots, hidden, dim), ("experts", "expert_mlp", "embed"))
     pool.register(self)
 
   def weight_variables(self) -> tuple[nnx.Variable, ...]:
@@ -270,7 +294,9 @@ class RoutedExperts(nnx.Module):
                           dispatch_dtype=jnp.bfloat16)
     sent = per_group // self.rules.tp_size  # rows each rank sends
     expert = self.rules.expert_size > 1 and sent >= EXPERT_REDUCE_MIN_TOKENS
-    return jm.MoEConfig(num_experts=self.num_experts, experts_per_token=self.experts_per_token,
+    shared = int(self.shared_expert)  # the shared expert: one more slot per token
+    return jm.MoEConfig(num_experts=self.num_experts + shared * self.rules.expert_size,
+                        experts_per_token=self.experts_per_token + shared,
                         hidden=self.dim, max_tokens=per_group,
                         dispatch_dtype=jnp.float8_e4m3fn if self.wire == "fp8" else jnp.bfloat16,
                         combine_reduce="expert" if expert else "source",
@@ -428,13 +454,31 @@ class RoutedExperts(nnx.Module):
   def _dispatch_args(self, T, Tp, x_td, ids_tk, weights_tk):
     """What this shard hands dispatch, (x, ids, weights, num_tokens), in the wire's form."""
     if self.wire != "exact":
-      return x_td.astype(jnp.bfloat16), ids_tk, weights_tk, self._real_tokens(T, Tp)
+      real = self._real_tokens(T, Tp)
+      if self.shared_expert:
+        ids_tk, weights_tk = self._with_shared_slot(ids_tk, weights_tk, real)
+      return x_td.astype(jnp.bfloat16), ids_tk, weights_tk, real
     K = self.experts_per_token
     # every (token, slot) becomes its own token with one expert and weight 1
     x_parts = jnp.repeat(split_f32(x_td), K, axis=0)                    # [Tp*K, 3D]
     ids = ids_tk.reshape(Tp * K, 1)
     ones = jnp.where(ids >= 0, 1.0, 0.0).astype(jnp.float32)
     return x_parts, ids, ones, self._real_tokens(T, Tp) * K
+
+  def _with_shared_slot(self, ids_tk, weights_tk, real):
+    """[Tp, K] routing -> [Tp, K + 1] over the expert slots: routed expert e of shard
+    s = e // L is slot e + s + 1 (slot s * (L + 1) holds the shard's shared expert), and slot
+    K sends every real token to its own shard's shared expert with weight 1, so the combine
+    adds the shared expert's output to the routed sum. Negative ids stay as they are (-1:
+    unused; any other is the error the exchange reports)."""
+    L = self.experts_per_shard
+    slot_ids = jnp.where(ids_tk >= 0, ids_tk + ids_tk // L + 1, ids_tk)
+    own = jax.lax.axis_index(self.rules.expert_axis) * (L + 1)
+    is_real = jnp.arange(ids_tk.shape[0])[:, None] < real
+    shared_ids = jnp.where(is_real, own, -1).astype(jnp.int32)
+    shared_weights = is_real.astype(jnp.float32)
+    return (jnp.concatenate([slot_ids, shared_ids], axis=1),
+            jnp.concatenate([weights_tk, shared_weights], axis=1))
 
   def _experts_and_combine(self, comm, r, weights_tk, *w, dtype):
     """The dispatched rows `r` through the experts and back: this shard's [Tp, D] in dtype."""
