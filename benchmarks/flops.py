@@ -58,6 +58,8 @@ def prefill_flops(model, batch: int, seq: int) -> dict:
     dense_params += leaf.size
   vocab, dim = model.cfg.vocab_size, model.cfg.hidden_size
   heads, qk, v = _attention_dims(model.cfg)
+  # a shared expert fused into the routed experts' slots is a dense MLP every token runs
+  dense_params += sum(3 * r.dim * r.hidden for r in routed.values() if r.shared_expert)
   parts = {
       "dense": 2 * tokens * dense_params,
       "routed_experts": sum(2 * tokens * r.experts_per_token * 3 * r.dim * r.hidden

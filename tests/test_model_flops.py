@@ -53,6 +53,16 @@ def test_prefill_flops_match_a_count_by_hand(name):
     assert got == want
 
 
+def test_a_fused_shared_expert_counts_as_the_separate_one():
+    """fuse_shared_experts moves the shared expert's weights into the routed experts'
+    slots; the model's FLOPs (and their parts) stay what they are."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("ep",))
+    separate = flops.prefill_flops(models.tiny("tiny-deepseek-v3", mesh=mesh), B, S)
+    fused = flops.prefill_flops(models.tiny("tiny-deepseek-v3", mesh=mesh,
+                                            fuse_shared_experts=True), B, S)
+    assert fused == separate
+
+
 def test_peak_by_device_kind():
     assert flops.bf16_peak_flops("NVIDIA H200") == 989.4e12
     assert flops.bf16_peak_flops("cpu") is None
