@@ -31,6 +31,10 @@ def add_parser(commands) -> None:
                         help="run the shared experts (DeepSeek-V3's) between the halves of "
                              "each MoE layer's dispatch, while the routed rows travel; the "
                              "same tokens. Off by default: the gain is not measured yet")
+  generate.add_argument("--fuse-shared-experts", action="store_true",
+                        help="run DeepSeek-V3's shared expert as one more expert slot of every "
+                             "token, in the routed experts' grouped GEMMs (bf16 or fp8 wire, "
+                             "experts in the model dtype, --tp 1)")
   generate.add_argument("--two-batch-overlap", action="store_true",
                         help="run the batch as two micro-batches, one's layers while the "
                              "other's dispatch travels (needs an even number of sequences per "
@@ -137,6 +141,7 @@ def _build_model(args, reader, mesh):
                 expert_weights=args.expert_weights,
                 overlap_shared_experts=args.overlap_shared_experts,
                 two_batch_overlap=args.two_batch_overlap,
+                fuse_shared_experts=args.fuse_shared_experts,
                 dtype={"bf16": jnp.bfloat16, "f32": jnp.float32}[args.dtype])
   if reader is None:
     return (models.tiny(args.model, seed=args.seed, **kwargs),
@@ -144,7 +149,8 @@ def _build_model(args, reader, mesh):
   model = models._build(reader.config, kwargs.pop("mesh"), None, kwargs["backend"],
                         kwargs["dtype"], kwargs["wire"], kwargs["expert_weights"],
                         overlap_shared_experts=kwargs["overlap_shared_experts"],
-                        two_batch_overlap=kwargs["two_batch_overlap"])
+                        two_batch_overlap=kwargs["two_batch_overlap"],
+                        fuse_shared_experts=kwargs["fuse_shared_experts"])
   return loader.load_weights(model, reader, progress=distributed.is_primary()), args.model
 
 

@@ -174,3 +174,38 @@ def test_models_without_shared_experts_ignore_the_option(mesh_of):
   config = dict(models.TINY_CONFIGS["tiny-deepseek-v3"], n_shared_experts=0)
   model = models.from_config(config, mesh=mesh_of(1), backend="xla", fuse_shared_experts=True)
   assert not model.cfg.fuse_shared_experts
+
+
+def test_fused_with_two_batches_gives_the_one_batch_logits(saved, rng, mesh_of, backend):
+  """The two-batch overlap's halves (RoutedExperts.steps) take the shared slot too."""
+  hf_model, path = saved
+  ids = hf_tiny.random_ids(rng, batch=4, seq=5, vocab=hf_model.config.vocab_size)
+  got = []
+  for two in (False, True):
+    model = models.from_pretrained(path, mesh=mesh_of(2), backend=backend, dtype=jnp.float32,
+                                   wire="bf16", fuse_shared_experts=True, two_batch_overlap=two,
+                                   progress=False)
+    got.append(hf_tiny.prefill_and_step(model, ids))
+    model.pool.check()
+    model.pool.close()
+  for one, two in zip(*got):
+    np.testing.assert_allclose(two, one, rtol=0, atol=1e-5 * np.abs(one).max())
+
+
+def test_generate_and_bench_decode_flags_reach_the_model(mesh_of):
+  from benchmarks import bench_decode
+  from jax_moe import cli
+  from jax_moe.cli import generate
+
+  mesh = mesh_of(2)
+  for flags, want in (([], False), (["--fuse-shared-experts"], True)):
+    args = cli._parser().parse_args(["generate", "--model", "tiny-deepseek-v3", "--backend",
+                                     "xla", *flags])
+    model, _ = generate._build_model(args, None, mesh)
+    assert model.cfg.fuse_shared_experts is want
+    assert model.layout().endswith("in the routed experts' GEMMs") is want
+    bench_args = bench_decode.parse_args(flags)
+    assert bench_args.fuse_shared_experts is want
+    model = bench_decode._build("tiny-deepseek-v3", mesh, "xla", jnp.bfloat16, "bf16", 0,
+                                fuse_shared_experts=bench_args.fuse_shared_experts)
+    assert model.cfg.fuse_shared_experts is want
