@@ -76,7 +76,7 @@ def from_pretrained(path: str, mesh=None, backend: str = "auto", dtype=jnp.bfloa
   roundings. Off by default: the gain is not measured yet.
   fuse_shared_experts: run the shared expert (DeepSeek-V3's one) as one more expert slot of
   every token, in the routed experts' grouped GEMMs (its weights loaded into their slots);
-  the bf16 or fp8 wire, expert_weights="dtype", no tp axis. Models without shared experts
+  the bf16 or fp8 wire, no tp axis. Models without shared experts
   ignore it.
   """
   reader = loader.CheckpointReader(path)

@@ -261,18 +261,48 @@ class SharedSlots:
     return (E + E // L, *rest)
 
   def read(self, reader, index) -> np.ndarray:
-    j0, j1 = _bounds(index[0], self.shape(reader)[0])
-    slots = self.experts_per_shard + 1
+    return self._gather(index, self.shape(reader)[0], lambda i: self.shared.read(reader, i),
+                        lambda i: self.routed.read(reader, i))
+
+  # block-fp8 experts (gate, up and down apart, each a Tensor shared expert): the shared
+  # expert's Linear weight and its scales as stored, [out, in] like each routed expert's
+  def stored_fp8(self, reader) -> bool:
+    return (self.routed.stored_fp8(reader)
+            and reader.has(self.shared.name + SCALE_SUFFIX))
+
+  def read_codes(self, reader, index) -> np.ndarray:
+    return self._gather(index, self.shape(reader)[0],
+                        lambda i: reader.read_stored(self.shared.name, i),
+                        lambda i: self.routed.read_codes(reader, i))
+
+  def read_scales(self, reader, index) -> np.ndarray:
+    return self._gather(index, self.scales_shape(reader)[0],
+                        lambda i: reader.read_stored(self.shared.name + SCALE_SUFFIX, i),
+                        lambda i: self.routed.read_scales(reader, i))
+
+  def scales_shape(self, reader) -> tuple[int, ...]:
+    E, *rest = self.routed.scales_shape(reader)
+    shared = tuple(reader.shape(self.shared.name + SCALE_SUFFIX))
+    if shared != tuple(rest):
+      raise CheckpointError(f"{self.shared.name}{SCALE_SUFFIX} {shared} and the routed "
+                            f"experts' scales {tuple(rest)}: fuse_shared_experts needs one shape")
+    return (E + E // self.experts_per_shard, *rest)
+
+  def _gather(self, index, slots: int, shared_part, routed_part) -> np.ndarray:
+    """The slots index[0] selects of a [slots, ...] array, each run read with the rest of
+    `index`: shared_part(rest) -> one slot, routed_part((experts, *rest)) -> a run of them."""
+    j0, j1 = _bounds(index[0], slots)
+    per_shard = self.experts_per_shard + 1
     parts, j = [], j0
     while j < j1:  # one shared slot or one shard's run of routed slots per pass
-      shard, slot = divmod(j, slots)
+      shard, slot = divmod(j, per_shard)
       if slot == 0:
-        parts.append(self.shared.read(reader, tuple(index[1:]))[None])
+        parts.append(shared_part(tuple(index[1:]))[None])
         j += 1
         continue
-      stop = min(j1, (shard + 1) * slots)
+      stop = min(j1, (shard + 1) * per_shard)
       first = shard * self.experts_per_shard + slot - 1
-      parts.append(self.routed.read(reader, (slice(first, first + stop - j), *index[1:])))
+      parts.append(routed_part((slice(first, first + stop - j), *index[1:])))
       j = stop
     return np.concatenate(parts)
 
@@ -291,21 +321,22 @@ def routed_expert_sources(path: tuple, prefix: str, num_experts: int,
   `gate_up_paired`: gate and up as one [E, D, 2, F] parameter `GATE_UP_PAIR` (RoutedExperts
   in the model dtype), else as `w_gate_edf` and `w_up_edf` (block-fp8 weights).
   `shared`: (the shared expert's prefix, experts per shard): the shared expert in front of each
-  shard's routed experts (SharedSlots; paired gate and up only)."""
+  shard's routed experts in every parameter (SharedSlots)."""
   stacked = lambda proj, fused, part, count: StackedExperts(
       f"{prefix}.{{e}}.{proj}.weight", num_experts, fused=f"{prefix}.{fused}", fused_part=part,
       fused_parts=count)
   gate, up = stacked("gate_proj", "gate_up_proj", 0, 2), stacked("up_proj", "gate_up_proj", 1, 2)
   down = stacked("down_proj", "down_proj", 0, 1)
   if shared is not None:
-    if not gate_up_paired:
-      raise ValueError("routed_expert_sources: a shared expert in the routed slots needs "
-                       "gate_up_paired=True (block-fp8 experts keep the shared one apart)")
     shared_prefix, per_shard = shared
-    pair = TensorPair(linear(f"{shared_prefix}.gate_proj"), linear(f"{shared_prefix}.up_proj"))
-    return {(*path, GATE_UP_PAIR): SharedSlots(ExpertPair(gate, up), pair, per_shard),
-            (*path, "w_down_efd"): SharedSlots(down, linear(f"{shared_prefix}.down_proj"),
-                                               per_shard)}
+    one = lambda proj: linear(f"{shared_prefix}.{proj}")  # noqa: E731
+    slots = lambda routed, own: SharedSlots(routed, own, per_shard)  # noqa: E731
+    gate_up = ({GATE_UP_PAIR: slots(ExpertPair(gate, up),
+                                    TensorPair(one("gate_proj"), one("up_proj")))}
+               if gate_up_paired else
+               {"w_gate_edf": slots(gate, one("gate_proj")), "w_up_edf": slots(up, one("up_proj"))})
+    return {**{(*path, name): source for name, source in gate_up.items()},
+            (*path, "w_down_efd"): slots(down, one("down_proj"))}
   sources = ({(*path, GATE_UP_PAIR): ExpertPair(gate, up)} if gate_up_paired
              else {(*path, "w_gate_edf"): gate, (*path, "w_up_edf"): up})
   sources[(*path, "w_down_efd")] = down

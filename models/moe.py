@@ -39,9 +39,9 @@ Contract (what the models rely on):
     experts' shape sits in front of each shard's experts (slots [E + R]: slot s * (L + 1) is
     shard s's copy, slot s * (L + 1) + 1 + i routed expert s * L + i; checkpoint.SharedSlots)
     and every token goes to its own shard's copy with weight 1 as one more slot, so the block
-    returns routed sum + shared(x) from the routed experts' GEMMs: one kernel per projection
-    where a separate shared MLP takes two more. The bf16 and fp8 wires, weights in the model
-    dtype, no tp axis.
+    returns routed sum + shared(x) from the routed experts' GEMMs, with no GEMMs of its own.
+    The bf16 and fp8 wires, no tp axis; weights in the model dtype or block-fp8 (the shared
+    expert's codes and scales in the slots too).
   - `overlapped` gives the same y_td, bit for bit (its dispatch goes as dispatch_send and
     dispatch_recv, which give the fused op's bits), and module(x_td), an nnx.Module run under
     the named scope `scope` between the two halves, while the rows travel (DeepSeek-V3's
@@ -94,15 +94,14 @@ EXPERT_REDUCE_MIN_TOKENS = 256
 PARTIAL_DTYPE = jnp.bfloat16
 
 
-def _check_shared_expert(wire: str, fp8_block, rules: ShardingRules) -> None:
+def _check_shared_expert(wire: str, rules: ShardingRules) -> None:
   """Where RoutedExperts can hold a shared expert in its slots (fuse_shared_experts)."""
   why = ("the 'exact' wire sends each (token, slot) apart" if wire == "exact" else
-         "block-fp8 experts keep gate and up apart" if fp8_block is not None else
          f"a tensor-parallel axis ({rules.tp_size} ranks) splits the shared expert's tokens"
          if rules.tp_size > 1 else None)
   if why:
     raise ValueError(f"RoutedExperts: shared_expert (fuse_shared_experts) needs the bf16 or "
-                     f"fp8 wire, experts in the model dtype and no tp axis: {why}")
+                     f"fp8 wire and no tp axis: {why}")
 
 
 def default_wire(dtype) -> str:
@@ -242,7 +241,7 @@ class RoutedExperts(nnx.Module):
       raise ValueError(f"RoutedExperts: num_experts ({num_experts}) must be divisible by the "
                        f"devices the experts are sharded over ({rules.expert_size})")
     if shared_expert:
-      _check_shared_expert(wire, fp8_block, rules)
+      _check_shared_expert(wire, rules)
     self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
     self.experts_per_token = experts_per_token
     self.shared_expert = bool(shared_expert)
@@ -268,8 +267,8 @@ class RoutedExperts(nnx.Module):
       self.w_gate_up_ed2f = param(rules, (slots, dim, 2, hidden),
                                   ("experts", "embed", None, "expert_mlp"), dtype)
     else:
-      self.w_gate_edf = weight((num_experts, dim, hidden), ("experts", "embed", "expert_mlp"))
-      self.w_up_edf = weight((num_experts, dim, hidden), ("experts", "embed", "expert_mlp"))
+      self.w_gate_edf = weight((slots, dim, hidden), ("experts", "embed", "expert_mlp"))
+      self.w_up_edf = weight((slots, dim, hidden), ("experts", "embed", "expert_mlp"))
     self.w_down_efd = weight((slots, hidden, dim), ("experts", "expert_mlp", "embed"))
     pool.register(self)
 

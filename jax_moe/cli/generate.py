@@ -34,7 +34,7 @@ def add_parser(commands) -> None:
   generate.add_argument("--fuse-shared-experts", action="store_true",
                         help="run DeepSeek-V3's shared expert as one more expert slot of every "
                              "token, in the routed experts' grouped GEMMs (bf16 or fp8 wire, "
-                             "experts in the model dtype, --tp 1)")
+                             "--tp 1)")
   generate.add_argument("--two-batch-overlap", action="store_true",
                         help="run the batch as two micro-batches, one's layers while the "
                              "other's dispatch travels (needs an even number of sequences per "

@@ -390,24 +390,6 @@ def test_cached_decode_and_greedy_generate_match_transformers(saved, rng, ep_mes
 FP8_BLOCK = (16, 16)  # small blocks so the tiny dims (24, 56, ...) end in partial blocks
 
 
-def _quantize_block_fp8(w_oi, block):
-  """DeepSeek's format from a torch f32 weight: (e4m3 codes, scale_inv [ceil(O/bo), ceil(I/bi)])."""
-  rows, cols = w_oi.shape
-  bo, bi = block
-  padded = torch.nn.functional.pad(w_oi, (0, -cols % bi, 0, -rows % bo))
-  blocks = padded.reshape(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi)
-  scale_inv = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
-  scale_oi = scale_inv.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:rows, :cols]
-  codes = (w_oi / scale_oi).to(torch.float8_e4m3fn)
-  return codes, scale_inv, codes.float() * scale_oi
-
-
-def _is_quantized_in_deepseek(name, tensor):
-  # DeepSeek-V3 keeps embeddings, the output head, norms and the router in high precision.
-  return (tensor.ndim == 2 and name.endswith("proj.weight") and "embed" not in name
-          and "lm_head" not in name)
-
-
 @pytest.fixture(scope="module")
 def fp8_saved(saved, tmp_path_factory):
   """(transformers model, fp8 checkpoint dir, f32 checkpoint of its dequantized weights,
@@ -417,14 +399,15 @@ def fp8_saved(saved, tmp_path_factory):
   tensors = load_file(f"{path}/model.safetensors")
   fp8, dequantized = {}, {}
   for name, w in tensors.items():
-    if _is_quantized_in_deepseek(name, w):
-      fp8[name], fp8[name + "_scale_inv"], dequantized[name] = _quantize_block_fp8(w, FP8_BLOCK)
+    if hf_tiny.is_quantized_in_deepseek(name, w):
+      fp8[name], fp8[name + "_scale_inv"], dequantized[name] = hf_tiny.quantize_block_fp8(
+          w, FP8_BLOCK)
     else:
       fp8[name] = dequantized[name] = w
   # A multi-token-prediction layer after the last decoder layer, as DeepSeek ships it.
   mtp = f"model.layers.{hf_model.config.num_hidden_layers}"
-  fp8[f"{mtp}.eh_proj.weight"], fp8[f"{mtp}.eh_proj.weight_scale_inv"], _ = _quantize_block_fp8(
-      torch.randn(32, 64), FP8_BLOCK)
+  mtp_codes, mtp_scales, _ = hf_tiny.quantize_block_fp8(torch.randn(32, 64), FP8_BLOCK)
+  fp8[f"{mtp}.eh_proj.weight"], fp8[f"{mtp}.eh_proj.weight_scale_inv"] = mtp_codes, mtp_scales
   fp8[f"{mtp}.enorm.weight"] = torch.ones(32)
   config = json.load(open(f"{path}/config.json"))
   tmp_path = tmp_path_factory.mktemp("fp8")

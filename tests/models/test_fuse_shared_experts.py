@@ -3,11 +3,11 @@ experts (checkpoint.SharedSlots) and every token goes to its shard's copy with w
 more slot (models/moe.py, RoutedExperts.shared_expert).
 
 Against transformers' f32 logits and against the same checkpoint loaded with the option off
-(same wire), on one device, two and eight (2, 8 and 16 experts per shard), full forward and a
-cached step; the loaded slots hold the shared expert where the layout says; SharedSlots reads
+(same wire), on one device, two and eight (8, 4 and 1 experts per shard), full forward and a
+cached step, and with the two-batch overlap; the loaded slots hold the shared expert where the
+layout says, in the model dtype and as block-fp8 codes and scales as stored; SharedSlots reads
 any slice (a device's share) of that layout; the cases the fused layout cannot hold are refused
-with the reason.
-"""
+with the reason; the flags of `jax-moe generate` and bench_decode reach the model."""
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +15,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+import torch
+from safetensors.torch import load_file
+
 from support import hf_tiny
 from support.hf_tiny import save_deepseek_v3
 from jax_moe import models
+from jax_moe.grouped_gemm import BlockFp8Weights
 from jax_moe.models.checkpoint import (GATE_UP_PAIR, SharedSlots, StackedExperts, Tensor,
                                        TensorPair, routed_expert_sources)
 
@@ -93,6 +97,49 @@ def test_slots_hold_the_shared_expert_in_front_of_each_shard(saved, mesh_of):
                                   routed_down[s * L:(s + 1) * L])
 
 
+FP8_BLOCK = (16, 16)  # partial edge blocks at the tiny dims
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(saved, tmp_path_factory):
+  return hf_tiny.save_block_fp8_copy(saved[1], tmp_path_factory.mktemp("fused_fp8"), FP8_BLOCK)
+
+
+def test_fp8_experts_hold_the_shared_expert_as_stored(saved, fp8_dir, rng, mesh_of):
+  """Block-fp8 experts (expert_weights="fp8") with the shared expert in their slots: its codes
+  and scales as the checkpoint stores them; on CPU (where the GEMM dequantizes them as the
+  loader does) the logits of the fused model holding bf16 copies, bit for bit; near the
+  separate shared expert's."""
+  mesh = mesh_of(4)
+  ids = hf_tiny.random_ids(rng, batch=4, seq=3, vocab=saved[0].config.vocab_size)
+  load = lambda fuse, weights: models.from_pretrained(  # noqa: E731
+      fp8_dir, mesh=mesh, backend="xla", dtype=jnp.bfloat16, wire="bf16",
+      fuse_shared_experts=fuse, expert_weights=weights, progress=False)
+  kept, copy, separate = load(True, "fp8"), load(True, "dtype"), load(False, "dtype")
+  experts = kept.layers[1].mlp.experts
+  L = experts.experts_per_shard
+  stored = load_file(f"{fp8_dir}/model.safetensors")
+  prefix = "model.layers.1.mlp"
+  for name, proj in (("w_gate_edf", "gate_proj"), ("w_up_edf", "up_proj"),
+                     ("w_down_efd", "down_proj")):
+    w8 = getattr(experts, name).get_value()
+    assert isinstance(w8, BlockFp8Weights) and w8.block == FP8_BLOCK
+    assert w8.codes.shape[0] == w8.scales.shape[0] == experts.num_experts + 4
+    for slot, source in ((2 * (L + 1), f"{prefix}.shared_experts.{proj}.weight"),
+                         (2 * (L + 1) + 1, f"{prefix}.experts.{2 * L}.{proj}.weight")):
+      np.testing.assert_array_equal(np.asarray(w8.codes[slot]).view(np.uint8),
+                                    stored[source].view(torch.uint8).numpy())
+      np.testing.assert_array_equal(np.asarray(w8.scales[slot]),
+                                    stored[source + "_scale_inv"].numpy())
+  got = {name: np.asarray(models.forward(model, ids), np.float32)
+         for name, model in (("kept", kept), ("copy", copy), ("separate", separate))}
+  if jax.default_backend() == "cpu":
+    np.testing.assert_array_equal(got["kept"], got["copy"])
+  else:  # a GPU's fp8 kernel multiplies the codes itself (grouped_gemm's fp8 tolerance)
+    assert _rel(got["kept"], got["copy"]) < 2e-2
+  assert _rel(got["kept"], got["separate"]) < 6e-3
+
+
 class _ArrayReader:
   def __init__(self, arrays):
     self.arrays = arrays
@@ -137,8 +184,13 @@ def test_shared_slots_read_any_slice(rng):
                                 pair.read(reader, (slice(None),) * 4)[part])
   np.testing.assert_array_equal(pair.read(reader, (slice(0, 1),) + (slice(None),) * 3)[0, :, 1],
                                 arrays["m.shared.up_proj.weight"].T)
-  with pytest.raises(ValueError, match="gate_up_paired=True"):
-    routed_expert_sources(("x",), "m.experts", E, gate_up_paired=False, shared=("m.shared", L))
+  apart = routed_expert_sources(("x",), "m.experts", E, gate_up_paired=False,
+                                shared=("m.shared", L))  # block-fp8 experts: three parameters
+  assert set(apart) == {("x", n) for n in ("w_gate_edf", "w_up_edf", "w_down_efd")}
+  gate = apart[("x", "w_gate_edf")]
+  assert gate.shape(reader) == (E + E // L, D, F)
+  np.testing.assert_array_equal(gate.read(reader, (slice(3, 4), slice(None), slice(None)))[0],
+                                arrays["m.shared.gate_proj.weight"].T)
   arrays["m.shared.down_proj.weight"] = rng.normal(size=(D, F + 1))
   with pytest.raises(ValueError, match="one shape for both"):
     slots.shape(reader)
@@ -147,7 +199,6 @@ def test_shared_slots_read_any_slice(rng):
 @pytest.mark.parametrize("overrides, kwargs, message", [
     ({"n_shared_experts": 2}, {}, "n_shared_experts == 1"),
     ({}, {"overlap_shared_experts": True}, "exclude each other"),
-    ({}, {"expert_weights": "fp8"}, "block-fp8 experts"),
     ({}, {"dtype": jnp.float32}, "'exact' wire"),
     ({}, {"tp": True}, "tensor-parallel"),
 ])

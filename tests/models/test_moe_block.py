@@ -20,10 +20,12 @@ from jax_moe.models.moe import CommunicatorPool, RoutedExperts, join_f32, split_
 from jax_moe.models.sharding import ShardingRules
 
 
-def _experts(mesh, dtype, wire, backend="xla", E=16, D=128, F=32, K=4, seed=0):
+def _experts(mesh, dtype, wire, backend="xla", E=16, D=128, F=32, K=4, seed=0,
+             shared_expert=False):
   rules = ShardingRules(mesh)
   layer = RoutedExperts(E, D, F, experts_per_token=K, rules=rules,
-                        pool=CommunicatorPool(rules, backend), dtype=dtype, wire=wire)
+                        pool=CommunicatorPool(rules, backend), dtype=dtype, wire=wire,
+                        shared_expert=shared_expert)
   rng = np.random.default_rng(seed)
   graphdef, state = nnx.split(layer)
   weights = {}
@@ -51,6 +53,8 @@ def _dense(x, ids, w, weights, round_h):
   for t in range(T):
     for k in range(K):
       e = ids[t, k]
+      if e < 0:  # slot unused
+        continue
       gate = round_h(x[t].astype(np.float64) @ weights["w_gate_up_ed2f"][e][:, 0])
       up = round_h(x[t].astype(np.float64) @ weights["w_gate_up_ed2f"][e][:, 1])
       h = gate / (1 + np.exp(-gate)) * up
@@ -91,6 +95,37 @@ def test_routed_experts_match_dense(mesh_of, ep_mesh, backend, rng, wire, device
   else:
     excess = np.abs(out - ref) - 2.0 ** -7 * magnitude
     assert excess.max() <= 0, f"{wire}: error over the bound by {excess.max():.3g}"
+
+
+@pytest.mark.parametrize("wire,devices,tokens", [
+    ("bf16", 1, 7), ("bf16", 4, 16), ("fp8", None, 9), ("bf16", 4, 1100)])
+def test_shared_expert_slot_matches_dense(mesh_of, ep_mesh, backend, rng, wire, devices, tokens):
+  """shared_expert=True: slot s * (L + 1) of the weights is shard s's shared expert (drawn
+  apart here, so the reference sees which copy a token reached: its own shard's), every real
+  token goes to it with weight 1 besides its routed slots (some -1)."""
+  mesh = ep_mesh if devices is None else mesh_of(devices)
+  layer, weights = _experts(mesh, jnp.bfloat16, wire, backend, shared_expert=True)
+  E, K, L = layer.num_experts, layer.experts_per_token, layer.experts_per_shard
+  assert weights["w_down_efd"].shape[0] == E + layer.rules.expert_size
+  ids, w = _routing(rng, tokens, E, K)
+  ids[rng.random(ids.shape) < 0.2] = -1
+  x = np.asarray(jnp.asarray(rng.standard_normal((tokens, 128)), jnp.bfloat16), np.float32)
+  x_seen = x
+  if wire == "fp8":
+    x_seen = np.asarray(jm.dequantize_fp8(*jm.quantize_fp8(jnp.asarray(x, jnp.bfloat16)),
+                                          dtype=jnp.float32))
+  layer.pool.prepare(tokens)
+  out = np.asarray(jax.jit(layer)(jnp.asarray(x, jnp.bfloat16), jnp.asarray(ids),
+                                  jnp.asarray(w)), np.float64)
+  layer.pool.check()
+  own = (np.arange(tokens) // layer.tokens_per_group(tokens)) * (L + 1)
+  slot_ids = np.where(ids >= 0, ids + ids // L + 1, -1)
+  ref, magnitude = _dense(x_seen, np.concatenate([slot_ids, own[:, None]], 1).astype(np.int32),
+                          np.concatenate([w, np.ones((tokens, 1), np.float32)], 1), weights,
+                          lambda h: h.astype(np.float32).astype(ml_dtypes.bfloat16)
+                          .astype(np.float64))
+  excess = np.abs(out - ref) - 2.0 ** -7 * magnitude
+  assert excess.max() <= 0, f"{wire}: error over the bound by {excess.max():.3g}"
 
 
 def test_prefill_sized_calls_combine_in_expert_mode_with_bf16_partials(mesh_of):

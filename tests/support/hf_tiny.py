@@ -10,6 +10,9 @@ layout (`save_original_format=False`: `experts.gate_up_proj` [E, 2F, D],
 `experts.down_proj` [E, D, F]) instead of the per-expert keys the default writes.
 """
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 import transformers
@@ -118,3 +121,43 @@ def first_near_tie(step_logits_nbv, tolerance):
   top2 = np.sort(step_logits_nbv, axis=-1)[..., -2:]
   near = (top2[..., 1] - top2[..., 0]) < tolerance                   # [N, B]
   return np.where(near.any(0), near.argmax(0), near.shape[0])
+
+
+def quantize_block_fp8(w_oi, block):
+  """DeepSeek's format from a torch f32 weight: (e4m3 codes, scale_inv [ceil(O/bo), ceil(I/bi)])."""
+  rows, cols = w_oi.shape
+  bo, bi = block
+  padded = torch.nn.functional.pad(w_oi, (0, -cols % bi, 0, -rows % bo))
+  blocks = padded.reshape(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi)
+  scale_inv = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+  scale_oi = scale_inv.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:rows, :cols]
+  codes = (w_oi / scale_oi).to(torch.float8_e4m3fn)
+  return codes, scale_inv, codes.float() * scale_oi
+
+
+def is_quantized_in_deepseek(name, tensor):
+  # DeepSeek-V3 keeps embeddings, the output head, norms and the router in high precision.
+  return (tensor.ndim == 2 and name.endswith("proj.weight") and "embed" not in name
+          and "lm_head" not in name)
+
+
+def save_block_fp8_copy(path, directory, block) -> str:
+  """The checkpoint at `path` with every weight DeepSeek-V3 quantizes as block-fp8 codes and
+  scale_inv (its `quantization_config`), saved in `directory`."""
+  from safetensors.torch import load_file, save_file
+
+  fp8 = {}
+  for name, w in load_file(f"{path}/model.safetensors").items():
+    if is_quantized_in_deepseek(name, w):
+      fp8[name], fp8[name + "_scale_inv"], _ = quantize_block_fp8(w, block)
+    else:
+      fp8[name] = w
+  directory = Path(directory)
+  save_file({k: v.contiguous() for k, v in fp8.items()}, str(directory / "model.safetensors"),
+            metadata={"format": "pt"})
+  config = json.load(open(f"{path}/config.json"))
+  config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                   "activation_scheme": "dynamic",
+                                   "weight_block_size": list(block)}
+  json.dump(config, open(directory / "config.json", "w"))
+  return str(directory)
