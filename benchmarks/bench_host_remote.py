@@ -101,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--raw-iters", type=int, default=40,
                  help="exchanges of the raw engine's long loop (it is cheap and noisy)")
   p.add_argument("--raw-short-iters", type=int, default=8)
+  p.add_argument("--trace-iters", type=int, default=0,
+                 help="also trace this many fused steps in each process (jax.profiler, CUPTI) "
+                      "and report every kernel's device time (0: no trace)")
   p.add_argument("--no-xla", action="store_true", help="skip the xla backend")
   p.add_argument("--no-nvlink", action="store_true",
                  help="--platform cuda: skip the cuda backend over CUDA IPC")
@@ -119,6 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   if not 0 <= args.raw_short_iters < args.raw_iters:
     p.error(f"--raw-short-iters must be in [0, --raw-iters), got {args.raw_short_iters} and "
             f"{args.raw_iters}")
+  if args.trace_iters < 0:
+    p.error(f"--trace-iters must be >= 0, got {args.trace_iters}")
   if args.reps < 1:
     p.error(f"--reps must be >= 1, got {args.reps}")
   if args.devices_per_process < 1 or (args.platform == "cuda" and args.devices_per_process != 1):
@@ -229,6 +234,21 @@ def proxy_phases(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def kernel_lines(per_provider: dict, top: int = 8) -> str:
+  """Per provider, row and process, the traced fused steps' busy span and largest kernels
+  (--trace-iters)."""
+  lines = []
+  for provider, per_process in per_provider.items():
+    for i, records in enumerate(per_process):
+      for r in records:
+        for plane, entry in (r["jax_moe"]["fused"].get("kernels") or {}).items():
+          lines.append(f"{provider} {r['phase']} {r['dispatch_dtype']} {r['reduce']} process {i} "
+                       f"{plane}: busy span {entry['span_us_per_step']:.0f} us per step")
+          lines += [f"  {k['mean_us']:9.1f} us x{k['count']:4d}  {k['name'][:100]}"
+                    for k in entry["kernels"][:top]]
+  return "\n".join(lines)
+
+
 def table(rows: list[dict], failures: list[str]) -> str:
   f = lambda v, spec=".0f": "-" if v is None else format(v, spec)  # noqa: E731
   header = (f"{'provider':12} {'phase':8} {'dtype':5} {'reduce':6} {'MB 0>1':>7} {'writes':>6} "
@@ -308,6 +328,7 @@ def main(argv=None) -> int:
             "partial_dtype": args.partial_dtype, "ops": args.ops, "routing": args.routing,
             "seed": args.seed, "devices_per_process": args.devices_per_process,
             "iters": args.iters, "short_iters": args.short_iters, "reps": args.reps,
+            "trace_iters": args.trace_iters,
             "raw_iters": args.raw_iters, "raw_short_iters": args.raw_short_iters,
             "platform": args.platform, "backend": BACKENDS[args.platform], "gpus": args.gpus,
             "others": (["cuda"] if args.platform == "cuda" and not args.no_nvlink else [])
@@ -355,6 +376,8 @@ def main(argv=None) -> int:
   print(table(rows, failures))
   if args.platform == "cuda":
     print(proxy_phases(rows))
+  if args.trace_iters:
+    print(kernel_lines(per_provider))
   print(f"wrote {stem}.json" + (" and .png" if plotted else ""))
   return 0 if not failures and all(r["correct"] for r in rows) else 1
 

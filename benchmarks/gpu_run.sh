@@ -24,7 +24,8 @@
 #            are most of a decode step (docs/perf-notes.md); file suffix -cmdbuf
 #   proxy1   bench_host_remote.py --platform cuda --gpus 1 (2 processes share GPU 0 through their
 #            host proxies, shm, decode fp8 expert): once time-sliced, once as clients of a
-#            private MPS daemon (--mps): what the proxy path costs apart from sharing one GPU
+#            private MPS daemon (--mps): what the proxy path costs apart from sharing one GPU;
+#            3 fused steps traced in each process (every kernel's device time)
 #   models_mp  tests/gpu/test_models_multiprocess.py: jax-moe generate with the cuda backend on 2
 #            processes sharing GPU 0 (CUDA IPC, forced through the host proxies, --tp 2) gives
 #            one process's tokens; tokens/s per path in the log (issues 15 and 19)
@@ -141,11 +142,12 @@ for step in "${steps[@]}"; do
       for mps in "" --mps; do
         timeout -s KILL 150 python3 benchmarks/bench_host_remote.py --platform cuda --gpus 1 \
           --no-xla --no-nvlink --providers shm --dispatch-dtypes fp8 --reduce expert \
-          --partial-dtype bf16 --phases decode=128 --reps 3 --iters 10 --short-iters 2 $mps \
+          --partial-dtype bf16 --phases decode=128 --reps 3 --iters 10 --short-iters 2 \
+          --trace-iters 3 $mps \
           --git-commit "${GIT_COMMIT:-unknown}" --out "$logs/proxy1${mps:+-mps}" \
           > "$logs/proxy1${mps:+-mps}.log" 2>&1
         echo "proxy1 ${mps:-time-sliced}: rc=$?"
-        grep -E "^shm|Error|error" "$logs/proxy1${mps:+-mps}.log" | cut -c1-600 | head -8
+        grep -E "^shm|^  |Error|error" "$logs/proxy1${mps:+-mps}.log" | cut -c1-200 | head -40
       done ;;
     misuse)
       suite misuse_gpu 120 tests/test_misuse.py

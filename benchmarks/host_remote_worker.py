@@ -100,7 +100,7 @@ def _run(config: dict, process_id: int) -> list[dict]:
   from jax.sharding import Mesh, NamedSharding
 
   import jax_moe as jm
-  from benchmarks import methods, raw_exchange, reference, remote_traffic
+  from benchmarks import methods, raw_exchange, reference, remote_traffic, stage_profile
   from benchmarks.environment import AXIS, SHARDED
   from benchmarks.problem import Shape, make_inputs, traffic
   from benchmarks.timing import loop_program, summarize, wall_time
@@ -168,6 +168,12 @@ def _run(config: dict, process_id: int) -> list[dict]:
       return record
     record["time"] = per_iteration(lambda n: wall_time(call, n)[0], what, config["short_iters"],
                                    config["iters"])
+    if config["trace_iters"] and method.op == "fused":
+      # Both processes trace the same calls, so neither waits inside the other's trace.
+      meeting.barrier(f"{what}_trace")
+      steps = config["trace_iters"]
+      record["kernels"] = stage_profile.kernel_table(stage_profile.traced(lambda: call(steps)),
+                                                     steps)
     comm.check()
     record["status"] = "ok"
     return record

@@ -16,7 +16,6 @@ as min / median / max over blocks in us from the kernel's first block start.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import json
 import sys
@@ -100,27 +99,14 @@ def main():
   data = stage_profile.traced(lambda: run(x, ids, w))
   comm.check()
 
-  table = {}
-  for plane in stage_profile.gpu_planes(data):
-    kernels = collections.defaultdict(list)
-    first, last = None, None
-    for ev in stage_profile.stream_events(plane):
-      kernels[ev.name].append(ev.duration_ns / 1e3)
-      first = ev.start_ns if first is None else min(first, ev.start_ns)
-      last = max(last or 0, ev.start_ns + ev.duration_ns)
-    if not kernels:
-      print(f"{plane.name}: no stream lines among {[line.name for line in plane.lines]}")
-      continue
-    rows = sorted(((name, len(v), float(np.mean(v)), float(np.sum(v)))
-                   for name, v in kernels.items()), key=lambda r: -r[3])
-    span = (last - first) / 1e3 / a.iters if first is not None else float("nan")
-    table[plane.name] = {"span_us_per_step": span,
-                         "kernels": [dict(name=n, count=c, mean_us=m, total_us=t)
-                                     for n, c, m, t in rows]}
-    print(f"{plane.name}: busy span {span:.1f} us per step "
+  table = stage_profile.kernel_table(data, a.iters)
+  if not table:
+    print(f"no stream lines in {[p.name for p in stage_profile.gpu_planes(data)]}")
+  for plane, entry in table.items():
+    print(f"{plane}: busy span {entry['span_us_per_step']:.1f} us per step "
           f"({a.backend}, {a.dispatch_dtype}, {a.reduce}, {a.tokens} tokens/rank, EP{R})")
-    for n, c, m, t in rows[:14]:
-      print(f"  {m:9.1f} us x{c:4d}  {short_name(n)}")
+    for k in entry["kernels"][:14]:
+      print(f"  {k['mean_us']:9.1f} us x{k['count']:4d}  {short_name(k['name'])}")
   stages = stage_table(comm.stage_clocks(), fused=not a.split) if a.stages else {}
   if a.json:
     with open(a.json, "w") as f:

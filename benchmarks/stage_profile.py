@@ -96,6 +96,28 @@ def stream_events(plane):
       yield from line.events
 
 
+def kernel_table(data, steps: int) -> dict:
+  """{GPU plane: {"span_us_per_step", "kernels": [{name, count, mean_us, total_us}]}} of a
+  trace of `steps` steps: every stream event (kernels, copies) by name, largest total first;
+  the busy span is first start -> last end over `steps`."""
+  table = {}
+  for plane in gpu_planes(data):
+    kernels = collections.defaultdict(list)
+    first, last = None, None
+    for ev in stream_events(plane):
+      kernels[ev.name].append(ev.duration_ns / 1e3)
+      first = ev.start_ns if first is None else min(first, ev.start_ns)
+      last = max(last or 0, ev.start_ns + ev.duration_ns)
+    if not kernels:
+      continue
+    rows = sorted(((name, len(v), sum(v) / len(v), sum(v)) for name, v in kernels.items()),
+                  key=lambda r: -r[3])
+    table[plane.name] = {"span_us_per_step": (last - first) / 1e3 / steps,
+                         "kernels": [dict(name=n, count=c, mean_us=m, total_us=t)
+                                     for n, c, m, t in rows]}
+  return table
+
+
 def _device_events(data, module: str):
   """[(device, instruction, duration ns)] of the events of `module`: GPU stream lines when
   the trace has GPU planes (a device per plane), else the CPU thunks (events with an hlo_op
