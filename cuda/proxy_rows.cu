@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kThreads)
   const MoeDims& d = v.dims;
   const int R = d.world, T = d.max_tokens, K = d.topk, me = d.rank;
   const BufferLayout lay = buffer_layout(d);
-  const bool go = !read_volatile(v.aborted) && read_volatile(&v.control->go);
+  const bool go = !read_volatile(v.aborted) && v.control_copy->go;
   const int given = *num_tokens;
   const int ntok = go ? min(max(given, 0), T) : 0;
   if (go && blockIdx.x == 0 && threadIdx.x < R) {
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kThreads)
   const int vectors = d.fp8 ? d.hidden / 16 : d.hidden / 8;
   uint4* x_rows = static_cast<uint4*>(x);
   __shared__ int32_t rows[32];
-  const int tokens = read_volatile(&v.control->token_count);
+  const int tokens = v.control_copy->token_count;
   for (int i = blockIdx.x; i < tokens; i += gridDim.x) {
     const int token = v.tokens[i];  // source * T + t
     if (threadIdx.x < K) rows[threadIdx.x] = v.slot_rows[size_t(token) * K + threadIdx.x];
@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // rows is rewritten for the next token
   }
   // Padding rows inside the segments are zero (x and scales; their weights already are).
-  const int zeros = read_volatile(&v.control->zero_count);
+  const int zeros = v.control_copy->zero_count;
   for (int i = blockIdx.x; i < zeros; i += gridDim.x) {
     const size_t row = v.zero_rows[i];
     for (int c = threadIdx.x; c < vectors; c += blockDim.x)
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(kThreads)
   // the slot rows and posts the rows from there.
   for (int i = first; i < R * T * K; i += gridDim.x * blockDim.x) v.slot_rows[i] = slot_rows[i];
   __threadfence_system();
-  if (read_volatile(v.aborted) || !read_volatile(&v.control->go)) return;
+  if (read_volatile(v.aborted) || !v.control_copy->go) return;
   if (!d.reduce_expert) {
     // Slot (src, t, k) held here: y[row] to comb[t][k] of src (bf16 [T][K][H]); zeros for a
     // slot dropped by capacity overflow.
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kThreads)
   const MoeDims& d = v.dims;
   const int R = d.world, T = d.max_tokens, K = d.topk, H = d.hidden;
   const BufferLayout lay = buffer_layout(d);
-  const bool go = !read_volatile(v.aborted) && read_volatile(&v.control->go);
+  const bool go = !read_volatile(v.aborted) && v.control_copy->go;
   const char* comb = v.buffer + lay.combine;
   // Terms of token t: source mode, comb[t][k] (bf16 [T][K][H]) of each valid slot with its
   // weight, in k order; expert mode, part[p][t] ([R][T][H]) of each rank p holding one of

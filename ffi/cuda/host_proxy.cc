@@ -117,6 +117,8 @@ CudaProxy::CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool st
     std::memset(doorbell_, 0, sizeof(ProxyDoorbell));
     check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&doorbell_device_), doorbell_, 0),
                "cudaHostGetDevicePointer(doorbell)");
+    check_cuda(cudaMalloc(reinterpret_cast<void**>(&control_copy_), sizeof(ProxyControl)),
+               "cudaMalloc(control copy)");
     check_cuda(cudaMalloc(reinterpret_cast<void**>(&scratch_), sizeof(ProxyScratch)),
                "cudaMalloc(scratch)");
     const ProxyScratch fresh{~0ull, 0};
@@ -127,6 +129,7 @@ CudaProxy::CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool st
   } catch (...) {
     cudaFree(peers_device_);
     cudaFree(scratch_);
+    cudaFree(control_copy_);
     if (doorbell_) cudaFreeHost(doorbell_);
     if (staging_) cudaFreeHost(staging_);
     throw;
@@ -141,6 +144,7 @@ CudaProxy::~CudaProxy() {
   for (void* memory : registered_) cudaHostUnregister(memory);
   cudaFree(peers_device_);
   cudaFree(scratch_);
+  cudaFree(control_copy_);
   cudaFreeHost(doorbell_);
   cudaFreeHost(staging_);
 }
@@ -201,12 +205,19 @@ cudaError_t CudaProxy::request(const CommView& v, uint32_t op, cudaStream_t stre
                                               : cudaErrorUnknown;
 }
 
+cudaError_t CudaProxy::begin(const CommView& v, uint32_t op, cudaStream_t stream) {
+  JAX_MOE_RETURN_IF_ERROR(request(v, op, stream));
+  return cudaMemcpyAsync(control_copy_, control_, sizeof(ProxyControl), cudaMemcpyHostToDevice,
+                         stream);
+}
+
 ProxyRowsView CudaProxy::rows_view(const CommView& v) const {
   ProxyRowsView r{};
   r.dims = dims_;
   r.peers = peers_device_;
   r.buffer = buffer_device_;
   r.control = device_area<ProxyControl>(areas_.control);
+  r.control_copy = control_copy_;
   r.scratch = scratch_;
   r.aborted = &v.counters->aborted;
   r.slot_rows = device_area<int32_t>(areas_.slot_rows);
@@ -309,7 +320,7 @@ cudaError_t CudaProxy::dispatch_send(const CommView& v, TokenInput input, const 
                                      const float* x_scales, const int32_t* topk_ids,
                                      const float* topk_weights, const int32_t* num_tokens,
                                      int32_t* send_dest, cudaStream_t stream) {
-  JAX_MOE_RETURN_IF_ERROR(request(v, kOpDispatchSend, stream));
+  JAX_MOE_RETURN_IF_ERROR(begin(v, kOpDispatchSend, stream));
   JAX_MOE_RETURN_IF_ERROR(launch_proxy_dispatch_send(rows_view(v), input, x, x_scales, topk_ids,
                                                      topk_weights, num_tokens, send_dest,
                                                      stream));
@@ -319,7 +330,7 @@ cudaError_t CudaProxy::dispatch_send(const CommView& v, TokenInput input, const 
 cudaError_t CudaProxy::dispatch_recv(const CommView& v, void* x, float* scales, float* weights,
                                      int32_t* group_sizes, int32_t* tokens_per_expert,
                                      int32_t* slot_rows, cudaStream_t stream) {
-  JAX_MOE_RETURN_IF_ERROR(request(v, kOpDispatchRecv, stream));
+  JAX_MOE_RETURN_IF_ERROR(begin(v, kOpDispatchRecv, stream));
   JAX_MOE_RETURN_IF_ERROR(launch_proxy_dispatch_recv(rows_view(v), x, scales, weights,
                                                      group_sizes, tokens_per_expert, slot_rows,
                                                      stream));
@@ -329,7 +340,7 @@ cudaError_t CudaProxy::dispatch_recv(const CommView& v, void* x, float* scales, 
 cudaError_t CudaProxy::combine_send(const CommView& v, const void* y, const int32_t* slot_rows,
                                     const float* row_weights, int32_t* done,
                                     cudaStream_t stream) {
-  JAX_MOE_RETURN_IF_ERROR(request(v, kOpCombineSend, stream));
+  JAX_MOE_RETURN_IF_ERROR(begin(v, kOpCombineSend, stream));
   JAX_MOE_RETURN_IF_ERROR(
       launch_proxy_combine_send(rows_view(v), y, slot_rows, row_weights, done, stream));
   return request(v, kOpCombineSendEnd, stream);
@@ -342,7 +353,7 @@ cudaError_t CudaProxy::combine_recv(const CommView& v, const int32_t* send_dest,
   JAX_MOE_RETURN_IF_ERROR(cudaMemcpyAsync(area<int32_t>(areas_.send_dest), send_dest,
                                           size_t(dims_.max_tokens) * dims_.topk * 4,
                                           cudaMemcpyDeviceToHost, stream));
-  JAX_MOE_RETURN_IF_ERROR(request(v, kOpCombineRecv, stream));
+  JAX_MOE_RETURN_IF_ERROR(begin(v, kOpCombineRecv, stream));
   JAX_MOE_RETURN_IF_ERROR(
       launch_proxy_combine_recv(rows_view(v), send_dest, topk_weights, out, stream));
   return request(v, kOpCombineRecvEnd, stream);

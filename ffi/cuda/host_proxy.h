@@ -98,6 +98,9 @@ class CudaProxy {
   template <typename T>
   T* device_area(size_t offset) const { return reinterpret_cast<T*>(staging_device_ + offset); }
   cudaError_t request(const CommView& v, uint32_t op, cudaStream_t stream);
+  // request() for a half's first CPU phase, then the copy of its control words into device
+  // memory for the kernel that follows (ProxyRowsView::control_copy).
+  cudaError_t begin(const CommView& v, uint32_t op, cudaStream_t stream);
   ProxyRowsView rows_view(const CommView& v) const;
   void register_host(void* memory, size_t bytes);
   void run();
@@ -115,6 +118,7 @@ class CudaProxy {
   ProxyControl* control_ = nullptr;          // in staging_
   ProxyDoorbell* doorbell_ = nullptr;        // mapped pinned host memory
   ProxyDoorbell* doorbell_device_ = nullptr; // the same, as the device addresses it
+  ProxyControl* control_copy_ = nullptr;     // device memory: *control_ after a first phase
   ProxyScratch* scratch_ = nullptr;          // device memory
   char** peers_device_ = nullptr;            // device [R]: the host state's peers, mapped
   char* buffer_device_ = nullptr;            // the host state's buffer, mapped
