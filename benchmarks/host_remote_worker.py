@@ -29,7 +29,6 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `jax_moe
 
 INIT_TIMEOUT_S = 60
 BARRIER_TIMEOUT_MS = 120_000
-PIECE_BYTES = 1 << 20  # of a key-value store value (Meeting.exchange)
 
 
 def configure(config: dict, process_id: int) -> None:
@@ -50,11 +49,13 @@ def configure(config: dict, process_id: int) -> None:
 
 
 class Meeting:
-  """Barriers at the jax.distributed coordinator, and its key-value store."""
+  """Barriers at the jax.distributed coordinator, and an exchange of bytes between the two
+  workers through `folder` (the launcher's, on the one machine both run on)."""
 
-  def __init__(self):
+  def __init__(self, folder: Path):
     from jax_moe.backends.ranks import distributed_client
     self.client = distributed_client("bench_host_remote")
+    self.folder = folder
     self._count = 0
 
   def barrier(self, what: str) -> None:
@@ -62,21 +63,24 @@ class Meeting:
     self.client.wait_at_barrier(f"bench_host_remote_{self._count}_{what}", BARRIER_TIMEOUT_MS)
 
   def exchange(self, key: str, mine: bytes, process_id: int, peer: int) -> bytes:
-    """`mine` for the peer's bytes under `key`, in pieces of at most PIECE_BYTES (the store's
-    messages have a size limit; a gathered output is megabytes)."""
-    pieces = [mine[i:i + PIECE_BYTES] for i in range(0, len(mine), PIECE_BYTES)] or [b""]
-    prefix = f"bench_host_remote/{key}"
-    for i, piece in enumerate(pieces):
-      self.client.key_value_set(f"{prefix}/{process_id}/{i}", piece.hex())
-    self.client.key_value_set(f"{prefix}/{process_id}/count", str(len(pieces)))
+    """`mine` for the peer's bytes under `key`. The bytes go through a file (a gathered
+    prefill output is hundreds of MB; through the key-value store, hex in 1 MB values, that
+    took minutes), the store only says the file is complete."""
+    path = self.folder / f"exchange_{key}_{process_id}"
+    path.with_suffix(".part").write_bytes(mine)
+    path.with_suffix(".part").rename(path)
+    self.client.key_value_set(f"bench_host_remote/{key}/{process_id}", "written")
+    self.client.blocking_key_value_get(f"bench_host_remote/{key}/{peer}", BARRIER_TIMEOUT_MS)
+    theirs = self.folder / f"exchange_{key}_{peer}"
+    data = theirs.read_bytes()
+    # Both have read what they need once both say so; then the files go (they are large).
+    self.client.key_value_set(f"bench_host_remote/{key}/{process_id}/read", "read")
+    self.client.blocking_key_value_get(f"bench_host_remote/{key}/{peer}/read", BARRIER_TIMEOUT_MS)
+    path.unlink()
+    return data
 
-    def get(suffix: str) -> str:
-      return self.client.blocking_key_value_get(f"{prefix}/{peer}/{suffix}", BARRIER_TIMEOUT_MS)
 
-    return b"".join(bytes.fromhex(get(str(i))) for i in range(int(get("count"))))
-
-
-def run(config: dict, process_id: int, port: int) -> list[dict]:
+def run(config: dict, process_id: int, port: int, folder: Path) -> list[dict]:
   import jax
 
   address = f"127.0.0.1:{port}"
@@ -87,12 +91,12 @@ def run(config: dict, process_id: int, port: int) -> list[dict]:
   jax.distributed.initialize(coordinator_address=address, num_processes=2, process_id=process_id,
                              local_device_ids=list(range(config["devices_per_process"])),
                              **{k: v for k, v in options.items() if k in accepted})
-  records = _run(config, process_id)
+  records = _run(config, process_id, folder)
   jax.distributed.shutdown()  # not after an error: it would wait for the peer
   return records
 
 
-def _run(config: dict, process_id: int) -> list[dict]:
+def _run(config: dict, process_id: int, folder: Path) -> list[dict]:
   import dataclasses
 
   import jax
@@ -107,7 +111,7 @@ def _run(config: dict, process_id: int) -> list[dict]:
   from jax_moe import settings, transport
 
   peer = 1 - process_id
-  meeting = Meeting()
+  meeting = Meeting(folder)
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
   mesh = Mesh(np.array(devices), (AXIS,))
   R = mesh.devices.size
@@ -316,7 +320,7 @@ def main(argv: list[str]) -> int:
   started = time.monotonic()
   result = {"process": process_id, "ok": False, "error": None, "records": []}
   try:
-    result["records"] = run(config, process_id, port)
+    result["records"] = run(config, process_id, port, Path(config_path).parent)
     result["ok"] = True
   except Exception as e:  # noqa: BLE001 - reported to the parent through the result file
     result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
