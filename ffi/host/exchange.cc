@@ -142,6 +142,20 @@ void finish_dispatch_send(HostRankState& s, const BufferLayout& lay,
   s.dispatch_seq = seq;
 }
 
+// Routes first: a rank alone in its process posts them to the remote ranks before it packs or
+// scans any row (they are small, and a receiver needs them to know which rows to expect).
+// With other ranks in the process, the local publish (finish_dispatch_send) goes first: a
+// post may block for up to the timeout on a dead peer, and the local ranks must not wait
+// behind it (they would time out naming this rank). Returns whether it posted them.
+bool post_routes_first(HostRankState& s, const BufferLayout& lay, int ntok) {
+  int local_ranks = 0;
+  for (int p = 0; p < s.dims.world; ++p) local_ranks += !is_remote(s, p);
+  if (local_ranks != 1) return false;
+  post_remote(s, Signal::kDispatch, s.dispatch_seq + 1, dispatch_route_spans(s.dims, lay, ntok),
+              kStageDispatchSend);
+  return true;
+}
+
 }  // namespace
 
 bool dispatch_send_begin(HostRankState& s) {
@@ -160,12 +174,13 @@ void dispatch_send_end(HostRankState& s, int given_tokens, bool bad_id, int32_t 
   // In the order dispatch_send records them.
   if (given_tokens != ntok) s.record_error(kBadNumTokens, kStageDispatchSend, given_tokens);
   if (bad_id) s.record_error(kInvalidExpertId, kStageDispatchSend, first_bad_id);
+  const bool routes_posted = post_routes_first(s, lay, ntok);
   // The routes the kernel wrote into this rank's own buffer (invalid ids already -1).
   const RouteEntry* routes = route_entries(s.buffer, lay, d, d.rank);
   std::vector<uint64_t> dest_masks(ntok, 0);
   for (int j = 0; j < ntok * K; ++j)
     if (routes[j].id >= 0) dest_masks[j / K] |= 1ull << (routes[j].id / d.local_experts);
-  finish_dispatch_send(s, lay, dest_masks, false);
+  finish_dispatch_send(s, lay, dest_masks, routes_posted);
 }
 
 void dispatch_send(HostRankState& s, TokenInput input, const void* x, const float* x_scales,
@@ -177,7 +192,6 @@ void dispatch_send(HostRankState& s, TokenInput input, const void* x, const floa
   const int nb = scale_blocks(d);
   std::fill(send_dest, send_dest + size_t(T) * K, -1);
   if (!dispatch_send_begin(s)) return;
-  const uint64_t seq = s.dispatch_seq + 1;
 
   const int given = *num_tokens;
   const int ntok = std::min(std::max(given, 0), T);
@@ -189,11 +203,6 @@ void dispatch_send(HostRankState& s, TokenInput input, const void* x, const floa
     route_out.push_back(route_entries(peer, lay, d, me));
   }
 
-  // Routes first. A rank alone in its process posts them to the remote ranks before packing
-  // any row: they are small and a receiver needs them to know which rows to expect. With
-  // other ranks in the process, the local publish (finish_dispatch_send) goes first: a post
-  // may block for up to the timeout on a dead peer, and the local ranks must not wait behind
-  // it (they would time out naming this rank).
   std::vector<uint64_t> dest_masks(ntok, 0);  // bit p: token t has a slot on rank p
   for (int t = 0; t < ntok; ++t) {
     for (int k = 0; k < K; ++k) {
@@ -210,13 +219,7 @@ void dispatch_send(HostRankState& s, TokenInput input, const void* x, const floa
       for (RouteEntry* routes : route_out) routes[t * K + k] = entry;
     }
   }
-  int local_ranks = 0;
-  for (int p = 0; p < d.world; ++p) local_ranks += !is_remote(s, p);
-  const bool alone = local_ranks == 1;
-  if (alone) {
-    post_remote(s, Signal::kDispatch, seq, dispatch_route_spans(d, lay, ntok),
-                kStageDispatchSend);
-  }
+  const bool alone = post_routes_first(s, lay, ntok);
 
   std::vector<char> quantized(input == kInputBf16Quantize ? token_bytes(d) : 0);
   for (int t = 0; t < ntok; ++t) {
