@@ -4,7 +4,8 @@
 # command with each backend, and benchmarks/bench_decode.py for backends xla and cuda.
 # Everything lands in one file, $OUT/models_<gpus>gpu.tar.gz (logs, JSON, PNG).
 #   GIT_COMMIT=<sha> benchmarks/gpu_models.sh [STEP...]   (default: tests generate bench;
-#   also: realistic, issue 16's DeepSeek-V3 and Qwen3-235B shapes; stagecheck, one tiny model's
+#   also: realistic, issue 16's DeepSeek-V3 and Qwen3-235B shapes; mla, the MLA decode kernel's
+#   tests and benchmark; stagecheck, one tiny model's
 #   per-stage profile printed; gemm, bench_grouped_gemm.py at GEMM_SHAPES (GEMM_SWEEP); gemmtests,
 #   tests/test_grouped_gemm.py with tokamax (GEMM_TESTS_ARGS: e.g. -k); overlaptests, the overlap
 #   options' tests, OVERLAP_TESTS_ARGS: e.g. -k)
@@ -88,13 +89,25 @@ for r in d['results']: print(r['label'], json.dumps(r.get('stages'))[:600])" \
       # REALISTIC_MODELS picks some of them, so one model fits a 10-minute call (on 2026-12-02
       # dsv3-ep8-share with xla, cuda and the peer did not finish in 330 s); the JSON is
       # rewritten after every result and the log has a line per part with its time;
-      # REALISTIC_S sets the step's limit (default 500 s), REALISTIC_ARGS adds arguments
-      step bench_decode_realistic "${REALISTIC_S:-500}" python3 benchmarks/bench_decode.py \
-        --models "${REALISTIC_MODELS:-dsv3-ep8-share,qwen3-235b-shape}" --batch 128 \
-        --backends xla,cuda --reps 3 --no-bf16-parity --parity-layers 1 --parity-batch 8 \
-        --budget-s 3 --out "$logs/results-realistic" --git-commit "${GIT_COMMIT:-unknown}" \
-        ${REALISTIC_ARGS:-}
-      tail -8 "$logs/bench_decode_realistic.log" ;;
+      # REALISTIC_S sets the step's limit (default 500 s), REALISTIC_ARGS adds arguments;
+      # REALISTIC_MLA lists JAX_MOE_MLA_DECODE settings to run one after the other (default
+      # auto; any other is named in its log and results folder)
+      for mla in ${REALISTIC_MLA:-auto}; do
+        tag=${mla#auto}
+        step "bench_decode_realistic${tag:+_$tag}" "${REALISTIC_S:-500}" \
+          env JAX_MOE_MLA_DECODE="$mla" python3 benchmarks/bench_decode.py \
+          --models "${REALISTIC_MODELS:-dsv3-ep8-share,qwen3-235b-shape}" --batch 128 \
+          --backends xla,cuda --reps 3 --no-bf16-parity --parity-layers 1 --parity-batch 8 \
+          --budget-s 3 --out "$logs/results-realistic${tag:+-$tag}" \
+          --git-commit "${GIT_COMMIT:-unknown}" ${REALISTIC_ARGS:-}
+        tail -8 "$logs/bench_decode_realistic${tag:+_$tag}.log"
+      done ;;
+    mla)  # the MLA decode kernel's tests (the Triton kernel against the einsums) and its benchmark
+      step tests_mla_decode 200 python3 -m pytest -q -p no:cacheprovider -rs \
+        tests/models/test_mla_decode.py
+      step bench_mla_decode "${MLA_S:-200}" python3 benchmarks/bench_mla_decode.py \
+        --out "$logs/results-mla" --git-commit "${GIT_COMMIT:-unknown}" ${MLA_ARGS:-}
+      tail -16 "$logs/bench_mla_decode.log" ;;
     gemmtests)  # the grouped GEMM's tests on the GPU, tokamax's kernel against lax.ragged_dot
       step tests_grouped_gemm 200 python3 -m pytest -q -p no:cacheprovider -rs \
         tests/test_grouped_gemm.py ${GEMM_TESTS_ARGS:-} ;;

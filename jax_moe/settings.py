@@ -54,6 +54,16 @@ def proxy_wait() -> str:
   return text
 
 
+def mla_decode() -> str:
+  """JAX_MOE_MLA_DECODE: how a DeepSeek-V3 decode step attends over its cache
+  (jax_moe.models.mla_decode): "auto" (default: the Pallas kernel on CUDA GPUs for bf16 and
+  f16, the einsums elsewhere), "pallas" or "xla" (the einsums)."""
+  text = os.environ.get("JAX_MOE_MLA_DECODE", "auto")
+  if text not in ("auto", "pallas", "xla"):
+    raise ValueError(f"JAX_MOE_MLA_DECODE must be 'auto', 'pallas' or 'xla', got {text!r}")
+  return text
+
+
 def host_provider() -> str:
   """JAX_MOE_HOST_PROVIDER: the libfabric provider of the host backend across processes."""
   return os.environ.get("JAX_MOE_HOST_PROVIDER", DEFAULT_HOST_PROVIDER)

@@ -39,7 +39,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jax_moe.models import yarn
+from jax_moe import settings
+from jax_moe.models import mla_decode, yarn
 from jax_moe.models.layers import Linear, RMSNorm, row_parallel
 from jax_moe.models.sharding import ShardingRules, param
 
@@ -223,9 +224,17 @@ class MultiHeadLatentAttention(nnx.Module):
     # Scores accumulate and stay in f32 whatever the model dtype; probabilities go back to
     # the value dtype for the weighted sum, as transformers' eager attention does.
     f32 = dict(preferred_element_type=jnp.float32)
-    scores_bhts = jnp.einsum("bthr,bsr->bhts", q_rope_bthr, keys_rope_bsr, **f32)
-    if self.uses_absorbed(x_btd.shape[1], keys_latent_bsc.shape[1]):
+    if cache is not None and x_btd.shape[1] == 1:
+      # One decode step (absorbed: uses_absorbed(1, S) always holds): query row cache_length
+      # sees rows [0, cache_length], in one kernel over the cache (mla_decode).
       q_latent_bthc = jnp.einsum("bthn,hcn->bthc", q_nope_bthn, w_uk_hcn)
+      out_bthc = mla_decode.decode_attention(
+          q_latent_bthc[:, 0], q_rope_bthr[:, 0], keys_latent_bsc, keys_rope_bsr,
+          cache_length + 1, cfg.softmax_scale, implementation=settings.mla_decode())[:, None]
+      out_bthv = jnp.einsum("bthc,hcv->bthv", out_bthc, w_uv_hcv)
+    elif self.uses_absorbed(x_btd.shape[1], keys_latent_bsc.shape[1]):
+      q_latent_bthc = jnp.einsum("bthn,hcn->bthc", q_nope_bthn, w_uk_hcn)
+      scores_bhts = jnp.einsum("bthr,bsr->bhts", q_rope_bthr, keys_rope_bsr, **f32)
       scores_bhts += jnp.einsum("bthc,bsc->bhts", q_latent_bthc, keys_latent_bsc, **f32)
       probs_bhts = _masked_softmax(scores_bhts * cfg.softmax_scale, visible_bts)
       out_bthc = jnp.einsum("bhts,bsc->bthc", probs_bhts.astype(keys_latent_bsc.dtype),
@@ -234,6 +243,7 @@ class MultiHeadLatentAttention(nnx.Module):
     else:
       k_nope_bshn = jnp.einsum("bsc,hcn->bshn", keys_latent_bsc, w_uk_hcn)
       v_bshv = jnp.einsum("bsc,hcv->bshv", keys_latent_bsc, w_uv_hcv)
+      scores_bhts = jnp.einsum("bthr,bsr->bhts", q_rope_bthr, keys_rope_bsr, **f32)
       scores_bhts += jnp.einsum("bthn,bshn->bhts", q_nope_bthn, k_nope_bshn, **f32)
       probs_bhts = _masked_softmax(scores_bhts * cfg.softmax_scale, visible_bts)
       out_bthv = jnp.einsum("bhts,bshv->bthv", probs_bhts.astype(v_bshv.dtype), v_bshv)

@@ -1,0 +1,203 @@
+"""MLA decode attention: the Pallas kernel (jax_moe.models.mla_decode) against the einsums
+XLA runs for the same step, at DeepSeek-V3's attention shape, in one run.
+
+Per case (batch B, keys S = the visible cache rows): q_latent [B, H, C], q_rope [B, H, R],
+the cache's latents [B, S, C] and rotary keys [B, S, R], bf16. Each method first runs once and
+is compared with an f32 computation of the same formula (max error over the largest output;
+above --tolerance it is reported "wrong" and not timed). Time per call: n calls inside one jit
+in a lax.fori_loop, each call's q depending on the previous output (a one-element write),
+(t(n_long) - t(n_short)) / (n_long - n_short) (benchmarks/timing.py). The floor: the bytes a
+step must move (q read, visible keys read, out written) over the HBM read bandwidth measured
+in the same run (bench_grouped_gemm's sum).
+
+Writes <out>/mla_decode_<device>.json and .png, and prints the table.
+
+  python benchmarks/bench_mla_decode.py --out benchmarks/results/mla-decode-abc1234 --git-commit abc1234
+  JAX_PLATFORMS=cpu python benchmarks/bench_mla_decode.py --quick --out /tmp/mla   # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `jax_moe` importable
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from benchmarks.arguments import csv_list  # noqa: E402
+from benchmarks.environment import device_slug, provenance  # noqa: E402
+from benchmarks.report import progress, write_json  # noqa: E402
+from benchmarks.timing import time_per_iteration  # noqa: E402
+from jax_moe.models import mla_decode  # noqa: E402
+
+METHODS = ("pallas", "xla")
+
+
+def inputs(batch, heads, latent, rope, keys, seed):
+  k = jax.random.split(jax.random.key(seed), 4)
+  draw = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+  return (draw(k[0], (batch, heads, latent)), draw(k[1], (batch, heads, rope)),
+          draw(k[2], (batch, keys, latent)), draw(k[3], (batch, keys, rope)))
+
+
+def f32_reference(q_latent, q_rope, keys_latent, keys_rope, scale):
+  f32 = lambda a: a.astype(jnp.float32)
+  scores = (jnp.einsum("bhc,bsc->bhs", f32(q_latent), f32(keys_latent),
+                       precision=jax.lax.Precision.HIGHEST)
+            + jnp.einsum("bhr,bsr->bhs", f32(q_rope), f32(keys_rope),
+                         precision=jax.lax.Precision.HIGHEST)) * scale
+  return jnp.einsum("bhs,bsc->bhc", jax.nn.softmax(scores, -1), f32(keys_latent),
+                    precision=jax.lax.Precision.HIGHEST)
+
+
+def looped(method, args, scale):
+  """run(n): n dependent calls of `method` inside one jit."""
+  q_latent, rest = args[0], args[1:]
+  keys = args[2].shape[1]
+
+  def call(q):
+    return mla_decode.decode_attention(q, *rest, keys, scale, implementation=method)
+
+  @jax.jit
+  def run(n):
+    def body(_, q):
+      out = call(q)
+      return q.at[0, 0, 0].add(out[0, 0, 0] * 0)
+    return jax.lax.fori_loop(0, n, body, q_latent)
+  return call, run
+
+
+def measure(args_ns, batch, keys, read_tb_s):
+  H, C, R = args_ns.heads, args_ns.kv_lora_rank, args_ns.rope_dim
+  args = inputs(batch, H, C, R, keys, args_ns.seed)
+  scale = (128 + R) ** -0.5
+  want = np.asarray(f32_reference(*args, scale))
+  moved = 2 * (batch * H * (C + R) + batch * keys * (C + R) + batch * H * C)
+  floor_us = moved / (read_tb_s * 1e12) * 1e6 if read_tb_s else None
+  rows = []
+  for method in args_ns.methods:
+    label = f"{method} b{batch} s{keys}"
+    row = dict(label=label, method=method, family="jax_moe" if method == "pallas" else "xla",
+               batch=batch, keys=keys, bytes=moved, floor_us=floor_us)
+    try:
+      call, run = looped(method, args, scale)
+      error = float(np.abs(np.asarray(call(args[0]), np.float32) - want).max() / np.abs(want).max())
+      row["error"] = error
+      if error > args_ns.tolerance:
+        row["status"] = "wrong"
+      else:
+        run(args_ns.short_iters)  # compile
+        timing, _ = time_per_iteration(run, args_ns.short_iters, args_ns.iters, args_ns.reps,
+                                       args_ns.budget_s)
+        row.update(status="ok", time=timing,
+                   tb_per_s=moved / (timing["median_us"] * 1e-6) / 1e12,
+                   x_floor=timing["median_us"] / floor_us if floor_us else None)
+    except Exception as e:  # a method that fails is recorded, the others still run
+      row.update(status="failed", error_text=f"{type(e).__name__}: {e}"[:2000])
+    rows.append(row)
+    t = row.get("time", {}).get("median_us")
+    progress(f"{label}: {row['status']}" + (f", {t:.1f} us" if t else "")
+             + (f", error {row['error']:.2e}" if "error" in row else ""))
+  return rows
+
+
+def plot(payload: dict, path: Path) -> bool:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = [r for r in payload["results"] if r["status"] == "ok"]
+  if not rows:
+    return False
+  medians = [r["time"]["median_us"] for r in rows]
+  low = [max(m - r["time"]["p10_us"], 0) for m, r in zip(medians, rows)]
+  high = [max(r["time"]["p90_us"] - m, 0) for m, r in zip(medians, rows)]
+  fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.6))
+  ax.barh(range(len(rows)), medians, xerr=[low, high], capsize=2,
+          color=["tab:blue" if r["method"] == "pallas" else "tab:orange" for r in rows])
+  ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=8)
+  ax.invert_yaxis()
+  for i, r in enumerate(rows):
+    floor = f", floor {r['floor_us']:.1f}" if r.get("floor_us") else ""
+    ax.text(r["time"]["p90_us"], i, f" {r['time']['median_us']:.1f} us{floor}", va="center",
+            fontsize=7)
+  ax.set_xlabel("microseconds per call (median, p10-p90)")
+  env, cfg = payload["environment"], payload["config"]
+  ax.set_title(f"MLA decode attention: H {cfg['heads']}, C {cfg['kv_lora_rank']}, "
+               f"R {cfg['rope_dim']}, bf16\n{env['device_kind']}, jax {env['jax_version']}, "
+               f"commit {str(env['git_commit'])[:10]}", fontsize=9)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def parse(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--batch", type=csv_list(convert=int), default=[32, 128])
+  p.add_argument("--keys", type=csv_list(convert=int), default=[65, 1024, 4096],
+                 help="visible cache rows (the prompt and the tokens so far)")
+  p.add_argument("--heads", type=int, default=128)
+  p.add_argument("--kv-lora-rank", type=int, default=512)
+  p.add_argument("--rope-dim", type=int, default=64)
+  p.add_argument("--methods", type=csv_list(METHODS), default=list(METHODS))
+  p.add_argument("--quick", action="store_true",
+                 help="small shapes, few iterations, no bandwidth run: a smoke test on CPU")
+  p.add_argument("--iters", type=int, default=200)
+  p.add_argument("--short-iters", type=int, default=10)
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--budget-s", type=float, default=1.0)
+  p.add_argument("--read-mib", type=int, default=4096,
+                 help="MiB summed to measure the HBM read bandwidth (0: skip, no floor)")
+  p.add_argument("--tolerance", type=float, default=2e-2)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--git-commit", default=None)
+  p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+  args = p.parse_args(argv)
+  if args.quick:
+    args.batch, args.keys, args.heads, args.kv_lora_rank, args.rope_dim = [2], [20], 16, 32, 16
+    args.iters, args.short_iters, args.reps, args.read_mib = 4, 1, 1, 0
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse(argv)
+  mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+  read = None
+  if args.read_mib:
+    from benchmarks.bench_grouped_gemm import measure_read
+    read = measure_read(args.read_mib, argparse.Namespace(iters=20, short_iters=2, reps=args.reps,
+                                                          budget_s=2.0))
+  read_tb_s = read["tb_per_s"] if read else None
+  results = []
+  for batch in args.batch:
+    for keys in args.keys:
+      results.extend(measure(args, batch, keys, read_tb_s))
+  payload = dict(benchmark="mla_decode", environment=provenance(mesh, args.git_commit),
+                 config=dict(heads=args.heads, kv_lora_rank=args.kv_lora_rank,
+                             rope_dim=args.rope_dim, batch=args.batch, keys=args.keys,
+                             dtype="bfloat16", seed=args.seed),
+                 read_bandwidth=read, results=results)
+  stem = args.out / f"mla_decode_{device_slug(mesh)}"
+  write_json(stem.with_suffix(".json"), payload)
+  plotted = plot(payload, stem.with_suffix(".png"))
+  print(f"{'case':<22} {'status':<7} {'us':>9} {'p10-p90':>17} {'TB/s':>6} {'x floor':>8}")
+  for r in results:
+    t = r.get("time")
+    print(f"{r['label']:<22} {r['status']:<7} "
+          + (f"{t['median_us']:9.1f} {t['p10_us']:8.1f}-{t['p90_us']:<8.1f} {r['tb_per_s']:6.2f} "
+             + (f"{r['x_floor']:8.2f}" if r.get("x_floor") else f"{'-':>8}") if t else ""))
+  print(f"wrote {stem}.json" + (" and .png" if plotted else ""))
+  return 0 if all(r["status"] == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,169 @@
+"""Absorbed MLA attention of one decode step as one kernel (Pallas, Triton on GPU).
+
+In the absorbed form (mla.py) every head of a step's query attends to the same keys: the
+cache's latents c [S, C] and rotary keys k_r [S, R], the latents also being the values.
+That is multi-query attention with a (C + R)-wide key and a C-wide value:
+
+  scores_hs = (q_latent_h . c_s + q_rope_h . k_r_s) * scale   (f32),   s < num_keys
+  out_h = sum_s softmax(scores_h)_s c_s
+
+Written as einsums (`reference`, what mla.py ran before) XLA runs four GEMMs and a softmax
+per layer and writes the [B, H, S] scores, the probabilities and the two [B, H, C] operands
+to memory in between: ~50 us a layer at DeepSeek-V3's shape with batch 128 (H = 128, C = 512;
+results/decode-realistic-71a65b9/). The kernel reads q and the visible keys once and writes
+out_bhc once (flash decoding: a running max and sum over blocks of keys).
+
+Roundings: scores and their softmax are f32 in both; the einsums round the normalized
+probabilities to the value dtype before the weighted sum, the kernel the unnormalized ones
+(exp(s - running max)) and divides the f32 sum at the end, so the two agree to the value
+dtype's rounding, not bit for bit. `auto` takes the kernel only for bf16 and f16 (f32 models
+keep the einsums, whose products are full f32 where the parity tests need them).
+
+Names: B batch, H heads, S key positions, C kv_lora_rank, R qk_rope_head_dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+IMPLEMENTATIONS = ("auto", "pallas", "xla")
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+MIN_DOT = 16          # Triton's smallest dot operand side
+BLOCK_KEYS = 64       # keys a loop step takes
+MAX_BLOCK_HEADS = 32  # heads a program takes: its f32 [heads, C] sum lives in registers
+
+
+def reference(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr, num_keys, scale):
+  """The einsum form (f32 scores, probabilities in the keys' dtype), rows >= num_keys unseen."""
+  f32 = dict(preferred_element_type=jnp.float32)
+  scores_bhs = (jnp.einsum("bhr,bsr->bhs", q_rope_bhr, keys_rope_bsr, **f32)
+                + jnp.einsum("bhc,bsc->bhs", q_latent_bhc, keys_latent_bsc, **f32))
+  visible_s = jnp.arange(keys_latent_bsc.shape[1]) < num_keys
+  scores_bhs = jnp.where(visible_s, scores_bhs * scale, -jnp.inf)
+  probs_bhs = jax.nn.softmax(scores_bhs, axis=-1)
+  return jnp.einsum("bhs,bsc->bhc", probs_bhs.astype(keys_latent_bsc.dtype), keys_latent_bsc)
+
+
+def _is_power_of_two(n: int) -> bool:
+  return n >= 1 and n & (n - 1) == 0
+
+
+def kernel_blocker(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr) -> str | None:
+  """Why the kernel does not apply to these shapes and dtypes (None when it does)."""
+  C, R = q_latent_bhc.shape[-1], q_rope_bhr.shape[-1]
+  dtypes = {jnp.dtype(a.dtype) for a in (q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr)}
+  if len(dtypes) != 1 or next(iter(dtypes)) not in map(jnp.dtype, KERNEL_DTYPES):
+    return f"dtypes {sorted(map(str, dtypes))}: the kernel takes one of bf16, f16"
+  for name, n in (("kv_lora_rank", C), ("qk_rope_head_dim", R)):
+    if not (_is_power_of_two(n) and n >= MIN_DOT):
+      return f"{name}={n}: the kernel needs a power of two >= {MIN_DOT}"
+  return None
+
+
+def implementation_for(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr,
+                       implementation: str = "auto", device=None) -> str:
+  """"pallas" or "xla": what `decode_attention` runs (auto: the kernel on a CUDA GPU where
+  kernel_blocker allows it)."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"mla_decode: implementation must be one of {IMPLEMENTATIONS}, "
+                     f"got {implementation!r}")
+  blocker = kernel_blocker(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr)
+  if implementation == "pallas" and blocker is not None:
+    raise ValueError(f"mla_decode: implementation='pallas' does not apply: {blocker}")
+  if implementation != "auto":
+    return implementation
+  device = device or jax.devices()[0]
+  on_cuda = device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
+  return "pallas" if on_cuda and blocker is None else "xla"
+
+
+def _kernel(num_keys_ref, q_latent_ref, q_rope_ref, keys_latent_ref, keys_rope_ref, out_ref, *,
+            scale: float, heads: int, block_heads: int, block_keys: int):
+  # One program: batch row b = program_id(0), heads [i * block_heads, ...) with i =
+  # program_id(1). Refs: q [block_heads, C | R] (rows past `heads` are outside the array and
+  # masked), keys [S_pad, C | R] of row b (rows past S likewise, never reached: the loop
+  # stops at num_keys <= S), out [block_heads, C].
+  first_head = pl.program_id(1) * block_heads
+  head_ok = (first_head + jnp.arange(block_heads) < heads)[:, None]
+  q_latent = plgpu.load(q_latent_ref, mask=head_ok, other=0.0)
+  q_rope = plgpu.load(q_rope_ref, mask=head_ok, other=0.0)
+  num_keys = num_keys_ref[()]
+
+  def step(j, carry):
+    out, running_max, running_sum = carry
+    rows = pl.ds(j * block_keys, block_keys)
+    key_ok = (j * block_keys + jnp.arange(block_keys) < num_keys)[:, None]
+    keys_latent = plgpu.load(keys_latent_ref.at[rows, :], mask=key_ok, other=0.0)
+    keys_rope = plgpu.load(keys_rope_ref.at[rows, :], mask=key_ok, other=0.0)
+    scores = (plgpu.dot(q_latent, keys_latent, trans_b=True)
+              + plgpu.dot(q_rope, keys_rope, trans_b=True)) * scale
+    scores = jnp.where(key_ok[:, 0][None, :], scores, -jnp.inf)
+    new_max = jnp.maximum(running_max, scores.max(axis=-1))
+    correction = jnp.exp(running_max - new_max)
+    weights = jnp.exp(scores - new_max[:, None])
+    running_sum = running_sum * correction + weights.sum(axis=-1)
+    out = out * correction[:, None] + plgpu.dot(weights.astype(keys_latent.dtype), keys_latent)
+    return out, new_max, running_sum
+
+  # The first step holds key 0 (num_keys >= 1), so every max is finite from there on and the
+  # correction exp(-inf - finite) of that step is 0.
+  init = (jnp.zeros(out_ref.shape, jnp.float32),
+          jnp.full((block_heads,), -jnp.inf, jnp.float32),
+          jnp.zeros((block_heads,), jnp.float32))
+  out, _, running_sum = jax.lax.fori_loop(0, pl.cdiv(num_keys, block_keys), step, init)
+  plgpu.store(out_ref, (out / running_sum[:, None]).astype(out_ref.dtype), mask=head_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def _pallas(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr, num_keys, scale: float,
+            interpret: bool):
+  B, H, C = q_latent_bhc.shape
+  S, R = keys_latent_bsc.shape[1], keys_rope_bsr.shape[2]
+  block_heads = min(MAX_BLOCK_HEADS, max(MIN_DOT, pl.next_power_of_2(H)))
+  keys_pad = pl.cdiv(S, BLOCK_KEYS) * BLOCK_KEYS
+  kernel = functools.partial(_kernel, scale=scale, heads=H, block_heads=block_heads,
+                             block_keys=BLOCK_KEYS)
+  q_spec = lambda width: pl.BlockSpec((None, block_heads, width), lambda b, i: (b, i, 0))
+  keys_spec = lambda width: pl.BlockSpec((None, keys_pad, width), lambda b, i: (b, 0, 0))
+  return pl.pallas_call(
+      kernel,
+      grid=(B, pl.cdiv(H, block_heads)),
+      in_specs=[pl.BlockSpec((), lambda b, i: ()), q_spec(C), q_spec(R), keys_spec(C),
+                keys_spec(R)],
+      out_specs=q_spec(C),
+      out_shape=jax.ShapeDtypeStruct((B, H, C), keys_latent_bsc.dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret,
+      name="mla_decode_attention",
+  )(jnp.asarray(num_keys, jnp.int32), q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr)
+
+
+def decode_attention(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr, num_keys,
+                     scale: float, implementation: str = "auto"):
+  """out [B, H, C] in the keys' dtype: each head of each batch row attends to key rows
+  [0, num_keys) (a scalar in [1, S], traced or not) of its row of the cache.
+
+  q_latent [B, H, C], q_rope [B, H, R], keys_latent [B, S, C], keys_rope [B, S, R].
+  implementation: "auto" (the kernel where `implementation_for` picks it), "pallas" (the
+  kernel; interpreted off GPUs, for tests) or "xla" (`reference`)."""
+  B, H, C = q_latent_bhc.shape
+  S = keys_latent_bsc.shape[1]
+  R = q_rope_bhr.shape[-1]
+  for name, array, shape in (("q_rope_bhr", q_rope_bhr, (B, H, R)),
+                             ("keys_latent_bsc", keys_latent_bsc, (B, S, C)),
+                             ("keys_rope_bsr", keys_rope_bsr, (B, S, R))):
+    if array.shape != shape:
+      raise ValueError(f"mla_decode: {name} must be {shape} (from q_latent_bhc {(B, H, C)}, "
+                       f"keys_latent_bsc's S={S} and q_rope_bhr's R={R}), got {array.shape}")
+  if isinstance(num_keys, int) and not 1 <= num_keys <= S:
+    raise ValueError(f"mla_decode: num_keys must be in [1, S={S}], got {num_keys}")
+  args = (q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr)
+  if implementation_for(*args, implementation=implementation) == "xla":
+    return reference(*args, num_keys, scale)
+  interpret = jax.devices()[0].platform != "gpu"
+  return _pallas(*args, num_keys, scale=float(scale), interpret=interpret)
