@@ -19,6 +19,7 @@ Writes <out>/mla_decode_<device>.json and .png, and prints the table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -56,45 +57,63 @@ def f32_reference(q_latent, q_rope, keys_latent, keys_rope, scale):
                     precision=jax.lax.Precision.HIGHEST)
 
 
-def looped(method, args, scale):
-  """run(n): n dependent calls of `method` inside one jit."""
-  q_latent, rest = args[0], args[1:]
-  keys = args[2].shape[1]
+def parse_config(text: str) -> mla_decode.KernelConfig:
+  """"BH/BK/W/ST/SPLITS" (block_heads, block_keys, num_warps, num_stages, key_splits, 0 for
+  the automatic count), e.g. 16/64/4/2/0."""
+  try:
+    bh, bk, warps, stages, splits = (int(v) for v in text.split("/"))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"--configs: {text!r} is not BH/BK/W/ST/SPLITS") from None
+  return mla_decode.KernelConfig(bh, bk, warps, stages, splits or None)
 
-  def call(q):
-    return mla_decode.decode_attention(q, *rest, keys, scale, implementation=method)
+
+def looped(method, config, scale):
+  """(call, run): one call, and run(n, *args) = n dependent calls inside one jit (the inputs
+  are arguments: as constants XLA would fold the einsums at compile time)."""
+  def call(q, *rest):
+    return mla_decode.decode_attention(q, *rest, rest[1].shape[1], scale,
+                                       implementation=method, config=config)
 
   @jax.jit
-  def run(n):
+  def run(n, q_latent, *rest):
     def body(_, q):
-      out = call(q)
+      out = call(q, *rest)
       return q.at[0, 0, 0].add(out[0, 0, 0] * 0)
     return jax.lax.fori_loop(0, n, body, q_latent)
-  return call, run
+  return jax.jit(call), run
 
 
 def measure(args_ns, batch, keys, read_tb_s):
   H, C, R = args_ns.heads, args_ns.kv_lora_rank, args_ns.rope_dim
   args = inputs(batch, H, C, R, keys, args_ns.seed)
   scale = (128 + R) ** -0.5
-  want = np.asarray(f32_reference(*args, scale))
+  want = np.asarray(jax.jit(f32_reference, static_argnums=4)(*args, scale))
   moved = 2 * (batch * H * (C + R) + batch * keys * (C + R) + batch * H * C)
   floor_us = moved / (read_tb_s * 1e12) * 1e6 if read_tb_s else None
+  variants = [("xla", None)] * ("xla" in args_ns.methods)
+  if "pallas" in args_ns.methods:
+    variants += [("pallas", c) for c in args_ns.configs]
   rows = []
-  for method in args_ns.methods:
-    label = f"{method} b{batch} s{keys}"
+  for method, config in variants:
+    name = method if config is None else (
+        f"pallas {config.block_heads}/{config.block_keys}/{config.num_warps}/"
+        f"{config.num_stages}/{config.key_splits or 0}")
+    label = f"{name} b{batch} s{keys}"
     row = dict(label=label, method=method, family="jax_moe" if method == "pallas" else "xla",
+               config=None if config is None else dataclasses.asdict(config),
                batch=batch, keys=keys, bytes=moved, floor_us=floor_us)
+    if config is not None:
+      row["key_splits"] = config.key_splits or mla_decode.key_splits_for(batch, H, keys, config)
     try:
-      call, run = looped(method, args, scale)
-      error = float(np.abs(np.asarray(call(args[0]), np.float32) - want).max() / np.abs(want).max())
+      call, run = looped(method, config or mla_decode.KernelConfig(), scale)
+      error = float(np.abs(np.asarray(call(*args), np.float32) - want).max() / np.abs(want).max())
       row["error"] = error
       if error > args_ns.tolerance:
         row["status"] = "wrong"
       else:
-        run(args_ns.short_iters)  # compile
-        timing, _ = time_per_iteration(run, args_ns.short_iters, args_ns.iters, args_ns.reps,
-                                       args_ns.budget_s)
+        run(args_ns.short_iters, *args)  # compile
+        timing, _ = time_per_iteration(lambda n: run(n, *args), args_ns.short_iters,
+                                       args_ns.iters, args_ns.reps, args_ns.budget_s)
         row.update(status="ok", time=timing,
                    tb_per_s=moved / (timing["median_us"] * 1e-6) / 1e12,
                    x_floor=timing["median_us"] / floor_us if floor_us else None)
@@ -149,6 +168,9 @@ def parse(argv=None):
   p.add_argument("--kv-lora-rank", type=int, default=512)
   p.add_argument("--rope-dim", type=int, default=64)
   p.add_argument("--methods", type=csv_list(METHODS), default=list(METHODS))
+  p.add_argument("--configs", type=csv_list(convert=parse_config),
+                 default=[mla_decode.KernelConfig()],
+                 help="the kernel's tilings to time, BH/BK/W/ST/SPLITS each (parse_config)")
   p.add_argument("--quick", action="store_true",
                  help="small shapes, few iterations, no bandwidth run: a smoke test on CPU")
   p.add_argument("--iters", type=int, default=200)
@@ -189,10 +211,10 @@ def main(argv=None) -> int:
   stem = args.out / f"mla_decode_{device_slug(mesh)}"
   write_json(stem.with_suffix(".json"), payload)
   plotted = plot(payload, stem.with_suffix(".png"))
-  print(f"{'case':<22} {'status':<7} {'us':>9} {'p10-p90':>17} {'TB/s':>6} {'x floor':>8}")
+  print(f"{'case':<36} {'status':<7} {'us':>9} {'p10-p90':>17} {'TB/s':>6} {'x floor':>8}")
   for r in results:
     t = r.get("time")
-    print(f"{r['label']:<22} {r['status']:<7} "
+    print(f"{r['label']:<36} {r['status']:<7} "
           + (f"{t['median_us']:9.1f} {t['p10_us']:8.1f}-{t['p90_us']:<8.1f} {r['tb_per_s']:6.2f} "
              + (f"{r['x_floor']:8.2f}" if r.get("x_floor") else f"{'-':>8}") if t else ""))
   print(f"wrote {stem}.json" + (" and .png" if plotted else ""))

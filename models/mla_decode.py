@@ -24,6 +24,7 @@ Names: B batch, H heads, S key positions, C kv_lora_rank, R qk_rope_head_dim.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -33,9 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
-MIN_DOT = 16          # Triton's smallest dot operand side
-BLOCK_KEYS = 64       # keys a loop step takes
-MAX_BLOCK_HEADS = 32  # heads a program takes: its f32 [heads, C] sum lives in registers
+MIN_DOT = 16  # Triton's smallest dot operand side
 
 
 def reference(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr, num_keys, scale):
@@ -82,22 +81,50 @@ def implementation_for(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr,
   return "pallas" if on_cuda and blocker is None else "xla"
 
 
-def _kernel(num_keys_ref, q_latent_ref, q_rope_ref, keys_latent_ref, keys_rope_ref, out_ref, *,
-            scale: float, heads: int, block_heads: int, block_keys: int):
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """How the kernel tiles the work: a program takes `block_heads` heads of one batch row and
+  one of `key_splits` equal ranges of the cache rows (flash decoding: with more than one, the
+  ranges' partial sums are merged after the kernel), `block_keys` keys a loop step."""
+  block_heads: int = 16
+  block_keys: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  key_splits: int | None = None  # None: key_splits_for
+
+
+def key_splits_for(batch: int, heads: int, keys: int, config: KernelConfig) -> int:
+  """Enough programs for every SM a few times over (an H200 has 132), each split still
+  covering >= 4 loop steps of keys: one split at DeepSeek-V3's decode with batch 128 and a
+  short cache (1024 programs), 8 at batch 32 over 4096 keys."""
+  programs = batch * pl.cdiv(heads, config.block_heads)
+  by_programs = pl.cdiv(4 * 132, programs)
+  by_keys = max(1, keys // (4 * config.block_keys))
+  return max(1, min(by_programs, by_keys))
+
+
+def _kernel(num_keys_ref, q_latent_ref, q_rope_ref, keys_latent_ref, keys_rope_ref, out_ref,
+            max_ref, sum_ref, *, scale: float, heads: int, split_keys: int,
+            config: KernelConfig):
   # One program: batch row b = program_id(0), heads [i * block_heads, ...) with i =
-  # program_id(1). Refs: q [block_heads, C | R] (rows past `heads` are outside the array and
-  # masked), keys [S_pad, C | R] of row b (rows past S likewise, never reached: the loop
-  # stops at num_keys <= S), out [block_heads, C].
+  # program_id(1), cache rows [j * split_keys, (j + 1) * split_keys) with j = program_id(2).
+  # Refs: q [block_heads, C | R] (rows past `heads` are outside the array and masked), keys
+  # [S_pad, C | R] of row b (rows past num_keys <= S are masked, never read), out [block_heads,
+  # C] f32 (the split's sum, normalized by its own softmax sum), max and sum [block_heads]
+  # (the split's running max and softmax sum, for the merge).
+  block_heads, block_keys = config.block_heads, config.block_keys
   first_head = pl.program_id(1) * block_heads
   head_ok = (first_head + jnp.arange(block_heads) < heads)[:, None]
   q_latent = plgpu.load(q_latent_ref, mask=head_ok, other=0.0)
   q_rope = plgpu.load(q_rope_ref, mask=head_ok, other=0.0)
-  num_keys = num_keys_ref[()]
+  first_key = pl.program_id(2) * split_keys
+  end_key = jnp.minimum(num_keys_ref[()], first_key + split_keys)
 
   def step(j, carry):
     out, running_max, running_sum = carry
-    rows = pl.ds(j * block_keys, block_keys)
-    key_ok = (j * block_keys + jnp.arange(block_keys) < num_keys)[:, None]
+    start = first_key + j * block_keys
+    key_ok = (start + jnp.arange(block_keys) < end_key)[:, None]
+    rows = pl.ds(start, block_keys)
     keys_latent = plgpu.load(keys_latent_ref.at[rows, :], mask=key_ok, other=0.0)
     keys_rope = plgpu.load(keys_rope_ref.at[rows, :], mask=key_ok, other=0.0)
     scores = (plgpu.dot(q_latent, keys_latent, trans_b=True)
@@ -110,47 +137,69 @@ def _kernel(num_keys_ref, q_latent_ref, q_rope_ref, keys_latent_ref, keys_rope_r
     out = out * correction[:, None] + plgpu.dot(weights.astype(keys_latent.dtype), keys_latent)
     return out, new_max, running_sum
 
-  # The first step holds key 0 (num_keys >= 1), so every max is finite from there on and the
-  # correction exp(-inf - finite) of that step is 0.
+  # A split's first step holds its first key, so its max is finite from there on and that
+  # step's correction exp(-inf - finite) is 0. A split past num_keys runs no step: max -inf,
+  # sum 0, out 0, which the merge weighs by exp(-inf) = 0 (split 0 always holds key 0).
   init = (jnp.zeros(out_ref.shape, jnp.float32),
           jnp.full((block_heads,), -jnp.inf, jnp.float32),
           jnp.zeros((block_heads,), jnp.float32))
-  out, _, running_sum = jax.lax.fori_loop(0, pl.cdiv(num_keys, block_keys), step, init)
-  plgpu.store(out_ref, (out / running_sum[:, None]).astype(out_ref.dtype), mask=head_ok)
+  steps = pl.cdiv(jnp.maximum(end_key - first_key, 0), block_keys)
+  out, running_max, running_sum = jax.lax.fori_loop(0, steps, step, init)
+  out = out / jnp.maximum(running_sum, jnp.finfo(jnp.float32).tiny)[:, None]
+  plgpu.store(out_ref, out.astype(out_ref.dtype), mask=head_ok)
+  plgpu.store(max_ref, running_max, mask=head_ok[:, 0])
+  plgpu.store(sum_ref, running_sum, mask=head_ok[:, 0])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config"))
 def _pallas(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr, num_keys, scale: float,
-            interpret: bool):
+            interpret: bool, config: KernelConfig):
   B, H, C = q_latent_bhc.shape
   S, R = keys_latent_bsc.shape[1], keys_rope_bsr.shape[2]
-  block_heads = min(MAX_BLOCK_HEADS, max(MIN_DOT, pl.next_power_of_2(H)))
-  keys_pad = pl.cdiv(S, BLOCK_KEYS) * BLOCK_KEYS
-  kernel = functools.partial(_kernel, scale=scale, heads=H, block_heads=block_heads,
-                             block_keys=BLOCK_KEYS)
-  q_spec = lambda width: pl.BlockSpec((None, block_heads, width), lambda b, i: (b, i, 0))
-  keys_spec = lambda width: pl.BlockSpec((None, keys_pad, width), lambda b, i: (b, 0, 0))
-  return pl.pallas_call(
+  splits = config.key_splits or key_splits_for(B, H, S, config)
+  split_keys = pl.cdiv(pl.cdiv(S, splits), config.block_keys) * config.block_keys
+  splits = pl.cdiv(S, split_keys)
+  kernel = functools.partial(_kernel, scale=scale, heads=H, split_keys=split_keys,
+                             config=config)
+  bh = config.block_heads
+  q_spec = lambda width: pl.BlockSpec((None, bh, width), lambda b, i, j: (b, i, 0))
+  keys_spec = lambda width: pl.BlockSpec((None, splits * split_keys, width),
+                                         lambda b, i, j: (b, 0, 0))
+  partial_dtype = keys_latent_bsc.dtype if splits == 1 else jnp.float32
+  out_bjhc, max_bjh, sum_bjh = pl.pallas_call(
       kernel,
-      grid=(B, pl.cdiv(H, block_heads)),
-      in_specs=[pl.BlockSpec((), lambda b, i: ()), q_spec(C), q_spec(R), keys_spec(C),
+      grid=(B, pl.cdiv(H, bh), splits),
+      in_specs=[pl.BlockSpec((), lambda b, i, j: ()), q_spec(C), q_spec(R), keys_spec(C),
                 keys_spec(R)],
-      out_specs=q_spec(C),
-      out_shape=jax.ShapeDtypeStruct((B, H, C), keys_latent_bsc.dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      out_specs=[pl.BlockSpec((None, None, bh, C), lambda b, i, j: (b, j, i, 0)),
+                 pl.BlockSpec((None, None, bh), lambda b, i, j: (b, j, i)),
+                 pl.BlockSpec((None, None, bh), lambda b, i, j: (b, j, i))],
+      out_shape=[jax.ShapeDtypeStruct((B, splits, H, C), partial_dtype),
+                 jax.ShapeDtypeStruct((B, splits, H), jnp.float32),
+                 jax.ShapeDtypeStruct((B, splits, H), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
       interpret=interpret,
       name="mla_decode_attention",
   )(jnp.asarray(num_keys, jnp.int32), q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr)
+  if splits == 1:
+    return out_bjhc[:, 0]
+  # Merge the splits: each one's normalized sum weighed by its share of the softmax sum.
+  weight_bjh = sum_bjh * jnp.exp(max_bjh - jnp.max(max_bjh, axis=1, keepdims=True))
+  weight_bjh = weight_bjh / jnp.sum(weight_bjh, axis=1, keepdims=True)
+  return jnp.einsum("bjhc,bjh->bhc", out_bjhc, weight_bjh).astype(keys_latent_bsc.dtype)
 
 
 def decode_attention(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr, num_keys,
-                     scale: float, implementation: str = "auto"):
+                     scale: float, implementation: str = "auto",
+                     config: KernelConfig = KernelConfig()):
   """out [B, H, C] in the keys' dtype: each head of each batch row attends to key rows
   [0, num_keys) (a scalar in [1, S], traced or not) of its row of the cache.
 
   q_latent [B, H, C], q_rope [B, H, R], keys_latent [B, S, C], keys_rope [B, S, R].
   implementation: "auto" (the kernel where `implementation_for` picks it), "pallas" (the
-  kernel; interpreted off GPUs, for tests) or "xla" (`reference`)."""
+  kernel; interpreted off GPUs, for tests) or "xla" (`reference`); config: the kernel's
+  tiling (KernelConfig; benchmarks/bench_mla_decode.py --configs times others)."""
   B, H, C = q_latent_bhc.shape
   S = keys_latent_bsc.shape[1]
   R = q_rope_bhr.shape[-1]
@@ -166,4 +215,4 @@ def decode_attention(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr, n
   if implementation_for(*args, implementation=implementation) == "xla":
     return reference(*args, num_keys, scale)
   interpret = jax.devices()[0].platform != "gpu"
-  return _pallas(*args, num_keys, scale=float(scale), interpret=interpret)
+  return _pallas(*args, num_keys, scale=float(scale), interpret=interpret, config=config)
