@@ -8,10 +8,11 @@ That is multi-query attention with a (C + R)-wide key and a C-wide value:
   out_h = sum_s softmax(scores_h)_s c_s
 
 Written as einsums (`reference`, what mla.py ran before) XLA runs four GEMMs and a softmax
-per layer and writes the [B, H, S] scores, the probabilities and the two [B, H, C] operands
-to memory in between: ~50 us a layer at DeepSeek-V3's shape with batch 128 (H = 128, C = 512;
-results/decode-realistic-71a65b9/). The kernel reads q and the visible keys once and writes
-out_bhc once (flash decoding: a running max and sum over blocks of keys).
+per layer and writes the [B, H, S] scores and the probabilities to memory in between: ~40 us
+a layer at DeepSeek-V3's shape with batch 128 and a 65-row cache (H = 128, C = 512;
+results/decode-realistic-71a65b9/). The kernel reads q once, the visible keys once per block
+of heads (from L2 after the first), and writes out_bhc once (flash decoding: a running max
+and sum over blocks of keys). It wins only on short caches (AUTO_MAX_KEYS).
 
 Roundings: scores and their softmax are f32 in both; the einsums round the normalized
 probabilities to the value dtype before the weighted sum, the kernel the unnormalized ones
@@ -35,6 +36,12 @@ from jax.experimental.pallas import triton as plgpu
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 MIN_DOT = 16  # Triton's smallest dot operand side
+# Caches up to this many rows take the kernel under "auto". Measured on one H200
+# (results/mla-decode-6ddf004/): at 65 rows the kernel replaced ~40 us of einsum kernels a
+# layer with 21 us; at 4096 rows it is slower than XLA's einsums (241 against 202 us at batch
+# 32, 990 against 690 at batch 128: its small dots read the keys once per head block and run
+# far below the read bandwidth). Between the two nothing was measured.
+AUTO_MAX_KEYS = 256
 
 
 def reference(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr, num_keys, scale):
@@ -67,7 +74,7 @@ def kernel_blocker(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr) -> 
 def implementation_for(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr,
                        implementation: str = "auto", device=None) -> str:
   """"pallas" or "xla": what `decode_attention` runs (auto: the kernel on a CUDA GPU where
-  kernel_blocker allows it)."""
+  kernel_blocker allows it and the cache holds at most AUTO_MAX_KEYS rows)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"mla_decode: implementation must be one of {IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
@@ -78,15 +85,19 @@ def implementation_for(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr,
     return implementation
   device = device or jax.devices()[0]
   on_cuda = device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
-  return "pallas" if on_cuda and blocker is None else "xla"
+  short = keys_latent_bsc.shape[1] <= AUTO_MAX_KEYS
+  return "pallas" if on_cuda and blocker is None and short else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
   """How the kernel tiles the work: a program takes `block_heads` heads of one batch row and
   one of `key_splits` equal ranges of the cache rows (flash decoding: with more than one, the
-  ranges' partial sums are merged after the kernel), `block_keys` keys a loop step."""
-  block_heads: int = 16
+  ranges' partial sums are merged after the kernel), `block_keys` keys a loop step. The
+  default measured fastest in the DeepSeek-V3-shaped decode step (batch 128, 65 cache rows,
+  one H200): 21.4 us a layer, against 28.3 with 16 heads a program
+  (benchmarks/results/mla-decode-6ddf004/)."""
+  block_heads: int = 32
   block_keys: int = 64
   num_warps: int = 4
   num_stages: int = 2

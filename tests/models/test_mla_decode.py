@@ -98,11 +98,12 @@ def test_key_splits_merge_to_the_one_split_result(splits, num_keys):
 
 
 def test_automatic_splits_fill_the_gpu_at_long_caches():
-  config = mla_decode.KernelConfig()
+  config = mla_decode.KernelConfig(block_heads=16)
   assert mla_decode.key_splits_for(128, 128, 65, config) == 1     # DeepSeek-V3 decode, batch 128
   assert mla_decode.key_splits_for(32, 128, 4096, config) == 3    # 256 programs -> 768
   assert mla_decode.key_splits_for(1, 128, 4096, config) == 16    # capped by 4 steps a split
   assert mla_decode.key_splits_for(1, 128, 100, config) == 1
+  assert mla_decode.key_splits_for(128, 128, 65, mla_decode.KernelConfig()) == 1
 
 
 def test_traced_num_keys_selects_the_visible_rows():
@@ -213,11 +214,12 @@ def test_gpu_kernel_matches_reference(case):
   B, H, C, R, S, n = GPU_CASES[case]
   q_latent, q_rope, keys_latent, keys_rope = _inputs(len(case), B, H, C, R, S, jnp.bfloat16)
   scale = 0.1352
-  assert mla_decode.implementation_for(q_latent, q_rope, keys_latent, keys_rope) == "pallas"
+  auto = mla_decode.implementation_for(q_latent, q_rope, keys_latent, keys_rope)
+  assert auto == ("pallas" if S <= mla_decode.AUTO_MAX_KEYS else "xla")
   reference = jax.jit(mla_decode.reference, static_argnums=(4, 5))(
       q_latent, q_rope, keys_latent, keys_rope, n, scale)
   kernel = mla_decode.decode_attention(q_latent, q_rope, _poisoned(keys_latent, n),
-                                       _poisoned(keys_rope, n), n, scale)
+                                       _poisoned(keys_rope, n), n, scale, implementation="pallas")
   _check(kernel, reference, _exact(q_latent, q_rope, keys_latent, keys_rope, n, scale),
          jnp.bfloat16)
 
