@@ -57,7 +57,8 @@ def proxy_wait() -> str:
 def mla_decode() -> str:
   """JAX_MOE_MLA_DECODE: how a DeepSeek-V3 decode step attends over its cache
   (jax_moe.models.mla_decode): "auto" (default: the Pallas kernel on CUDA GPUs for bf16 and
-  f16, the einsums elsewhere), "pallas" or "xla" (the einsums)."""
+  f16 caches of up to mla_decode.AUTO_MAX_KEYS rows, the einsums elsewhere), "pallas" or "xla"
+  (the einsums)."""
   text = os.environ.get("JAX_MOE_MLA_DECODE", "auto")
   if text not in ("auto", "pallas", "xla"):
     raise ValueError(f"JAX_MOE_MLA_DECODE must be 'auto', 'pallas' or 'xla', got {text!r}")

@@ -95,8 +95,8 @@ class KernelConfig:
   one of `key_splits` equal ranges of the cache rows (flash decoding: with more than one, the
   ranges' partial sums are merged after the kernel), `block_keys` keys a loop step. The
   default measured fastest in the DeepSeek-V3-shaped decode step (batch 128, 65 cache rows,
-  one H200): 21.4 us a layer, against 28.3 with 16 heads a program
-  (benchmarks/results/mla-decode-6ddf004/)."""
+  one H200): 21.4 us a layer at b7bb05c (24.8 at 23131f0, which adds the key ranges' outputs),
+  against 28.3 with 16 heads a program (benchmarks/results/mla-decode-6ddf004/)."""
   block_heads: int = 32
   block_keys: int = 64
   num_warps: int = 4
@@ -106,8 +106,8 @@ class KernelConfig:
 
 def key_splits_for(batch: int, heads: int, keys: int, config: KernelConfig) -> int:
   """Enough programs for every SM a few times over (an H200 has 132), each split still
-  covering >= 4 loop steps of keys: one split at DeepSeek-V3's decode with batch 128 and a
-  short cache (1024 programs), 8 at batch 32 over 4096 keys."""
+  covering >= 4 loop steps of keys: with the default tiling one split at DeepSeek-V3's decode
+  with batch 128 and a short cache (512 programs), 5 at batch 32 over 4096 keys."""
   programs = batch * pl.cdiv(heads, config.block_heads)
   by_programs = pl.cdiv(4 * 132, programs)
   by_keys = max(1, keys // (4 * config.block_keys))
@@ -121,8 +121,9 @@ def _kernel(num_keys_ref, q_latent_ref, q_rope_ref, keys_latent_ref, keys_rope_r
   # program_id(1), cache rows [j * split_keys, (j + 1) * split_keys) with j = program_id(2).
   # Refs: q [block_heads, C | R] (rows past `heads` are outside the array and masked), keys
   # [S_pad, C | R] of row b (rows past num_keys <= S are masked, never read), out [block_heads,
-  # C] f32 (the split's sum, normalized by its own softmax sum), max and sum [block_heads]
-  # (the split's running max and softmax sum, for the merge).
+  # C] (the split's sum normalized by its own softmax sum: in the keys' dtype with one split,
+  # f32 with more), max and sum [block_heads] (the split's running max and softmax sum, for
+  # the merge).
   block_heads, block_keys = config.block_heads, config.block_keys
   first_head = pl.program_id(1) * block_heads
   head_ok = (first_head + jnp.arange(block_heads) < heads)[:, None]
