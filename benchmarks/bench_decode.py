@@ -402,35 +402,18 @@ def measure_bandwidth(mib: int, reps: int) -> tuple[dict, dict]:
 
 
 def plot(payload: dict, path: Path) -> bool:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  from benchmarks.plot import plot_time_bars
   rows = [r for r in payload["results"] if r["status"] == "ok"]
-  if not rows:
-    return False
-  medians = [r["time"]["median_us"] for r in rows]
-  low = [m - r["time"]["p10_us"] for m, r in zip(medians, rows)]
-  high = [r["time"]["p90_us"] - m for m, r in zip(medians, rows)]
-  fig, ax = plt.subplots(figsize=(9, 0.4 * len(rows) + 1.6))
-  ax.barh(range(len(rows)), medians, xerr=[np.maximum(low, 0), np.maximum(high, 0)],
-          color=["tab:blue" if r["backend"] == "cuda" else "tab:orange" for r in rows], capsize=2)
-  ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=8)
-  ax.invert_yaxis()
-  ax.set_xlabel("microseconds per decode step (median, p10-p90)")
   env, cfg = payload["environment"], payload["config"]
   batches = ",".join(map(str, cfg["batch"]))
-  ax.set_title(f"decode: batch {batches}, prompt {cfg['prompt_len']}, bf16, "
-               f"{cfg['wire']} MoE wire\n{env['device_count']} x {env['device_kind']}, "
-               f"jax {env['jax_version']}, commit {str(env['git_commit'])[:10]}", fontsize=9)
-  for i, r in enumerate(rows):
-    ax.text(r["time"]["p90_us"], i, f" {r['time']['median_us']:.0f} us, "
-            f"{r['decode_tokens_per_s']:.0f} tok/s", va="center", fontsize=7)
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return True
+  return plot_time_bars(
+      rows, path, colors=["tab:blue" if r["backend"] == "cuda" else "tab:orange" for r in rows],
+      notes=[f"{r['time']['median_us']:.0f} us, {r['decode_tokens_per_s']:.0f} tok/s"
+             for r in rows],
+      xlabel="microseconds per decode step (median, p10-p90)",
+      title=f"decode: batch {batches}, prompt {cfg['prompt_len']}, bf16, {cfg['wire']} MoE wire\n"
+            f"{env['device_count']} x {env['device_kind']}, jax {env['jax_version']}, "
+            f"commit {str(env['git_commit'])[:10]}")
 
 
 def plot_stages(payload: dict, path: Path) -> bool:

@@ -131,35 +131,17 @@ def measure(args_ns, batch, keys, read_tb_s):
 
 
 def plot(payload: dict, path: Path) -> bool:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  from benchmarks.plot import plot_time_bars
   rows = [r for r in payload["results"] if r["status"] == "ok"]
-  if not rows:
-    return False
-  medians = [r["time"]["median_us"] for r in rows]
-  low = [max(m - r["time"]["p10_us"], 0) for m, r in zip(medians, rows)]
-  high = [max(r["time"]["p90_us"] - m, 0) for m, r in zip(medians, rows)]
-  fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.6))
-  ax.barh(range(len(rows)), medians, xerr=[low, high], capsize=2,
-          color=["tab:blue" if r["method"] == "pallas" else "tab:orange" for r in rows])
-  ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=8)
-  ax.invert_yaxis()
-  for i, r in enumerate(rows):
-    floor = f", floor {r['floor_us']:.1f}" if r.get("floor_us") else ""
-    ax.text(r["time"]["p90_us"], i, f" {r['time']['median_us']:.1f} us{floor}", va="center",
-            fontsize=7)
-  ax.set_xlabel("microseconds per call (median, p10-p90)")
   env, cfg = payload["environment"], payload["config"]
-  ax.set_title(f"MLA decode attention: H {cfg['heads']}, C {cfg['kv_lora_rank']}, "
-               f"R {cfg['rope_dim']}, bf16\n{env['device_kind']}, jax {env['jax_version']}, "
-               f"commit {str(env['git_commit'])[:10]}", fontsize=9)
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return True
+  return plot_time_bars(
+      rows, path, colors=["tab:blue" if r["method"] == "pallas" else "tab:orange" for r in rows],
+      notes=[f"{r['time']['median_us']:.1f} us"
+             + (f", floor {r['floor_us']:.1f}" if r.get("floor_us") else "") for r in rows],
+      xlabel="microseconds per call (median, p10-p90)",
+      title=f"MLA decode attention: H {cfg['heads']}, C {cfg['kv_lora_rank']}, "
+            f"R {cfg['rope_dim']}, bf16\n{env['device_kind']}, jax {env['jax_version']}, "
+            f"commit {str(env['git_commit'])[:10]}")
 
 
 def parse(argv=None):

@@ -49,6 +49,30 @@ def plot_results(payload: dict, path: Path) -> bool:
   return True
 
 
+def plot_time_bars(rows: list[dict], path: Path, *, colors: list[str], notes: list[str],
+                   xlabel: str, title: str) -> bool:
+  """Horizontal bars of each row's time (median with its p10-p90 spread), labelled by
+  row["label"], `notes[i]` written after row i's bar; False when there is no row."""
+  if not rows:
+    return False
+  medians = [r["time"]["median_us"] for r in rows]
+  low = [max(m - r["time"]["p10_us"], 0.0) for m, r in zip(medians, rows)]
+  high = [max(r["time"]["p90_us"] - m, 0.0) for m, r in zip(medians, rows)]
+  fig, ax = plt.subplots(figsize=(9, 0.4 * len(rows) + 1.6))
+  ax.barh(range(len(rows)), medians, xerr=[low, high], color=colors, capsize=2)
+  ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=8)
+  ax.invert_yaxis()
+  ax.set_xlabel(xlabel)
+  ax.set_title(title, fontsize=9)
+  for i, (r, note) in enumerate(zip(rows, notes)):
+    ax.text(r["time"]["p90_us"], i, f" {note}", va="center", fontsize=7)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
 ALL_REDUCE_STYLES = {"one_shot": "tab:blue", "two_shot": "tab:green", "auto": "tab:purple",
                      "psum": "tab:orange"}
 
