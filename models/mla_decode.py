@@ -115,7 +115,7 @@ def key_splits_for(batch: int, heads: int, keys: int, config: KernelConfig) -> i
 
 
 def _kernel(num_keys_ref, q_latent_ref, q_rope_ref, keys_latent_ref, keys_rope_ref, out_ref,
-            max_ref, sum_ref, *, scale: float, heads: int, split_keys: int,
+            max_ref, sum_ref, *, scale: float, heads: int, keys: int, split_keys: int,
             config: KernelConfig):
   # One program: batch row b = program_id(0), heads [i * block_heads, ...) with i =
   # program_id(1), cache rows [j * split_keys, (j + 1) * split_keys) with j = program_id(2).
@@ -129,8 +129,10 @@ def _kernel(num_keys_ref, q_latent_ref, q_rope_ref, keys_latent_ref, keys_rope_r
   head_ok = (first_head + jnp.arange(block_heads) < heads)[:, None]
   q_latent = plgpu.load(q_latent_ref, mask=head_ok, other=0.0)
   q_rope = plgpu.load(q_rope_ref, mask=head_ok, other=0.0)
+  # A traced num_keys past S (a decode loop run past the cache, whose writes
+  # dynamic_update_slice clamps) sees all S rows, as the einsums do; never a row past S.
   first_key = pl.program_id(2) * split_keys
-  end_key = jnp.minimum(num_keys_ref[()], first_key + split_keys)
+  end_key = jnp.minimum(jnp.minimum(num_keys_ref[()], keys), first_key + split_keys)
 
   def step(j, carry):
     out, running_max, running_sum = carry
@@ -171,7 +173,7 @@ def _pallas(q_latent_bhc, q_rope_bhr, keys_latent_bsc, keys_rope_bsr, num_keys, 
   splits = config.key_splits or key_splits_for(B, H, S, config)
   split_keys = pl.cdiv(pl.cdiv(S, splits), config.block_keys) * config.block_keys
   splits = pl.cdiv(S, split_keys)
-  kernel = functools.partial(_kernel, scale=scale, heads=H, split_keys=split_keys,
+  kernel = functools.partial(_kernel, scale=scale, heads=H, keys=S, split_keys=split_keys,
                              config=config)
   bh = config.block_heads
   q_spec = lambda width: pl.BlockSpec((None, bh, width), lambda b, i, j: (b, i, 0))

@@ -116,6 +116,11 @@ def test_traced_num_keys_selects_the_visible_rows():
   for n in (1, 64, 65, 96):
     _check(run(jnp.int32(n)), mla_decode.reference(q_latent, q_rope, keys_latent, keys_rope, n, 0.2),
            _exact(q_latent, q_rope, keys_latent, keys_rope, n, 0.2), jnp.bfloat16)
+  # A length past the cache (a loop decoding past it) sees the S rows, as the einsums do.
+  np.testing.assert_array_equal(run(jnp.int32(S + 40)), run(jnp.int32(S)))
+  np.testing.assert_array_equal(
+      mla_decode.reference(q_latent, q_rope, keys_latent, keys_rope, jnp.int32(S + 40), 0.2),
+      mla_decode.reference(q_latent, q_rope, keys_latent, keys_rope, S, 0.2))
 
 
 def test_auto_takes_the_einsums_off_gpu_and_for_f32():
