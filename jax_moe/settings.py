@@ -54,13 +54,16 @@ def proxy_wait() -> str:
   return text
 
 
+MLA_DECODE_CHOICES = ("auto", "pallas", "xla")  # jax_moe.models.mla_decode's implementations
+
+
 def mla_decode() -> str:
   """JAX_MOE_MLA_DECODE: how a DeepSeek-V3 decode step attends over its cache
   (jax_moe.models.mla_decode): "auto" (default: the Pallas kernel on CUDA GPUs for bf16 and
   f16 caches of up to mla_decode.AUTO_MAX_KEYS rows, the einsums elsewhere), "pallas" or "xla"
   (the einsums)."""
   text = os.environ.get("JAX_MOE_MLA_DECODE", "auto")
-  if text not in ("auto", "pallas", "xla"):
+  if text not in MLA_DECODE_CHOICES:
     raise ValueError(f"JAX_MOE_MLA_DECODE must be 'auto', 'pallas' or 'xla', got {text!r}")
   return text
 

@@ -33,7 +33,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-IMPLEMENTATIONS = ("auto", "pallas", "xla")
+from jax_moe import settings
+
+IMPLEMENTATIONS = settings.MLA_DECODE_CHOICES
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 MIN_DOT = 16  # Triton's smallest dot operand side
 # Caches up to this many rows take the kernel under "auto". Measured on one H200
