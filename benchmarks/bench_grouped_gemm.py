@@ -58,6 +58,7 @@ from benchmarks.arguments import csv_list  # noqa: E402
 from benchmarks.environment import device_slug, provenance  # noqa: E402
 from benchmarks.timing import per_step, time_per_iteration, wall_time  # noqa: E402
 from jax_moe import grouped_gemm as gg  # noqa: E402
+from jax_moe.quantization import dequantize_fp8, quantize_fp8  # noqa: E402
 
 # name: (rows M, groups G, K, N, kind) -- issue 20's shapes
 SHAPES = {
@@ -265,6 +266,24 @@ def methods_for(kind: str, sizes: np.ndarray, m: int, k: int, n: int, wanted, sw
     out.append(("jax_moe fp8 auto", "fp8",
                 lambda x, w8, gs: gg.ragged_dot(x, w8, gs, preferred_element_type=bf16),
                 gg.tuned_fp8_config(m, len(sizes), bf16, device), f"-> {chosen[0]}: {chosen[1]}"))
+    cutlass_ok, cutlass_why = gg.cutlass_status()
+    if cutlass_ok and not on_hopper:
+      cutlass_ok, cutlass_why = False, f"{device.device_kind} is not a Hopper GPU"
+    # fp8 x fp8 (w8a8) on CUTLASS: x quantized in the call (what ragged_dot does), and rows
+    # that are fp8 already (a dispatch's output; here x's values cast to e4m3 with unit scales,
+    # a cast XLA fuses into one pass). Each is checked against its own operands dequantized.
+    w8a8 = [("jax_moe fp8 cutlass (x quantized in the call)",
+             lambda x, w8, gs: gg.ragged_dot(x, w8, gs, preferred_element_type=bf16,
+                                             implementation="cutlass"),
+             lambda x: dequantize_fp8(*quantize_fp8(x.astype(jnp.float32), 128))),
+            ("cutlass fp8 rows (as dispatched: no quantization in the call)",
+             lambda x, w8, gs: gg.cutlass_ragged_dot_fp8(
+                 x.astype(jnp.float8_e4m3fn), jnp.ones((m, k // 128), jnp.float32), w8, gs),
+             lambda x: x.astype(jnp.float8_e4m3fn).astype(jnp.float32))]
+    for label, fn, x_seen in w8a8:
+      fn.x_seen = x_seen
+      out.append((label, "fp8 w8a8", fn if cutlass_ok else None, None,
+                  "" if cutlass_ok else cutlass_why))
     if tokamax_ok:
       for name in fp8_variants:
         scale_dtype, x_dtype, kernel_out = FP8_VARIANTS[name]
@@ -453,7 +472,7 @@ def plot(payload: dict, path: Path) -> bool:
     return False
   colors = {"lax": "tab:orange", "einsum": "tab:gray", "tokamax": "tab:green",
             "sweep": "tab:olive", "auto": "tab:blue", "fp8": "tab:red",
-            "fp8 sweep": "tab:pink"}
+            "fp8 sweep": "tab:pink", "fp8 w8a8": "tab:brown"}
   cols = min(2, len(shapes))
   rows_n = (len(shapes) + cols - 1) // cols
   fig, axes = plt.subplots(rows_n, cols, figsize=(8 * cols, 4.2 * rows_n), squeeze=False)
@@ -663,6 +682,8 @@ def main(argv=None) -> int:
           if family.startswith("fp8"):  # checked against the weights the codes encode
             w_arg, ref_arg = fp8["w8"], fp8["ref"]
             result["weight_bytes"] = fp8["weight_bytes"]
+          if family == "fp8 w8a8":  # ... and the rows the kernel was given
+            ref_arg = f32_dot(fn.x_seen(x), fp8["w8"].dequantize(jnp.float32), gs)
           compiled = jax.jit(fn).lower(x, w_arg, gs).compile()
           if family.startswith("fp8"):  # the codes' two transposes must cancel (no copy)
             result["hlo_transposes"] = compiled.as_text().count(" transpose(")

@@ -11,6 +11,10 @@ build_jax_moe() {
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
       --target "$backend_path" "$wheel" > "$log" 2>&1 || return 1
   fi
+  # CUTLASS's headers for the fp8 grouped GEMM, from the nvidia-cutlass wheel the run carries
+  if [ ! -f .cutlass/include/cutlass/version.h ] && compgen -G ".whl/nvidia_cutlass-*.whl" >/dev/null; then
+    bash cuda/cutlass/fetch_headers.sh >> "$log" 2>&1 || return 1
+  fi
   { python3 -m pip show scikit-build-core 2>/dev/null | grep -i '^version' | sed 's/^/system scikit-build-core /'
     [ -n "$backend_path" ] && echo "build backend from $wheel"; } >> "$log"
   PYTHONPATH=$backend_path${PYTHONPATH:+:$PYTHONPATH} python3 -m pip install --no-build-isolation \

@@ -35,6 +35,11 @@ nb::dict build_info() {
   info["cuda_version"] = nb::none();
   info["cuda_archs"] = nb::none();
 #endif
+#ifdef JAX_MOE_WITH_CUTLASS
+  info["cutlass_version"] = nb::str(JAX_MOE_CUTLASS_VERSION);
+#else
+  info["cutlass_version"] = nb::none();
+#endif
 #ifdef JAX_MOE_WITH_LIBFABRIC
   // The runtime library may be newer than the headers the build saw; report both.
   const uint32_t runtime = fi_version();

@@ -8,6 +8,9 @@
 #ifdef JAX_MOE_WITH_CUDA
 #include "ffi/native_cuda.h"
 #endif
+#ifdef JAX_MOE_WITH_CUTLASS
+#include "ffi/native_cutlass.h"
+#endif
 #ifdef JAX_MOE_WITH_LIBFABRIC
 #include "ffi/native_host_fabric.h"
 #include "ffi/native_transport.h"
@@ -24,6 +27,9 @@ nb::dict registrations() {
   jax_moe::add_host_targets(cpu_targets);
 #ifdef JAX_MOE_WITH_CUDA
   jax_moe::add_cuda_targets(cuda_targets);
+#endif
+#ifdef JAX_MOE_WITH_CUTLASS
+  jax_moe::add_cutlass_targets(cuda_targets);
 #endif
   nb::dict by_platform;
   by_platform["cpu"] = cpu_targets;
@@ -42,6 +48,9 @@ NB_MODULE(_native, m) {
   jax_moe::bind_host(m);
 #ifdef JAX_MOE_WITH_CUDA
   jax_moe::bind_cuda(m);
+#endif
+#ifdef JAX_MOE_WITH_CUTLASS
+  jax_moe::bind_cutlass(m);
 #endif
 #ifdef JAX_MOE_WITH_LIBFABRIC
   jax_moe::bind_transport(m);

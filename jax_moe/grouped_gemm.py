@@ -19,6 +19,12 @@ Implementations (`implementation=`):
   "tokamax"  tokamax.ragged_dot(implementation="mosaic") (pip install "jax-moe[gpu]"), with a
              tuned tile config for Hopper when this module has one for the shape; raises
              `ValueError` naming the reason where it does not apply.
+  "cutlass"  fp8 weights only (`BlockFp8Weights`): x quantized to e4m3 with one scale per row
+             and 128 columns (jax_moe.quantization.quantize_fp8, the dispatch's own format),
+             then the fp8 x fp8 grouped GEMM of cuda/cutlass/ (CUTLASS's Hopper kernel with
+             blockwise scales, as DeepSeek-V3 runs its experts); a jax_moe build with CUTLASS
+             (`build_info()["cutlass_version"]`). `cutlass_ragged_dot_fp8` takes rows that are
+             already fp8 (a dispatch's output) without quantizing again.
 
 "auto" takes tokamax when all hold: tokamax imports (it needs jax >= 0.11.1), the default
 device is an NVIDIA Hopper GPU (compute capability 9.x), x and w are both bf16 or both f16,
@@ -43,7 +49,12 @@ block) go through the same `ragged_dot`:
   w8 = w8.for_kernel()        # once, at load time: the kernel's scale layout (else per call)
   y = grouped_gemm.ragged_dot(x, w8, group_sizes)          # x [M, K] -> [M, N]
 
-Its reference is `lax.ragged_dot(x, w8.dequantize(x.dtype), group_sizes)` (the weights
+The "cutlass" path's reference is `lax.ragged_dot(dequantize_fp8(*quantize_fp8(x)),
+w8.dequantize(f32), group_sizes)` in f32: the kernel differs from it only by f32 summation
+order and the bf16 rounding of its output (tests/test_grouped_gemm.py, on an H200). Against
+the bf16 path it adds x's own e4m3 rounding (2^-4 relative per element at most).
+
+The weight-only reference is `lax.ragged_dot(x, w8.dequantize(x.dtype), group_sizes)` (the weights
 dequantized in f32, then rounded to x's dtype), which is also the "lax" path. The "tokamax"
 path is tokamax's sm90 quantized kernel (fp8 codes read from HBM, dequantized in registers,
 wgmma, f32 accumulation), used in the one form this jax/ptxas compiles: tokamax converts the
@@ -67,7 +78,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-IMPLEMENTATIONS = ("auto", "lax", "tokamax")
+from jax_moe import native
+from jax_moe.quantization import quantize_fp8
+
+IMPLEMENTATIONS = ("auto", "lax", "tokamax", "cutlass")
 ROWS_PAST_GROUPS = ("zero", "unspecified")
 
 # The Mosaic GPU kernel's input and output dtypes (tokamax 0.0.17, sm90 non-quantized path).
@@ -210,6 +224,11 @@ def implementation_for(lhs, rhs, group_sizes=None, *, precision=None,
   device = device or _default_device()
   if implementation == "lax":
     return "lax", "requested"
+  if implementation == "cutlass":
+    blocker = _cutlass_blocker(lhs, rhs, precision, preferred_element_type, device)
+    if blocker is not None:
+      raise ValueError(f"ragged_dot: implementation='cutlass' does not apply: {blocker}")
+    return "cutlass", "requested"
   blocker = _tokamax_blocker(lhs, rhs, precision, preferred_element_type, device)
   if implementation == "tokamax":
     if blocker is not None:
@@ -533,9 +552,92 @@ def _ragged_dot_fp8(lhs, rhs, group_sizes, *, precision, preferred_element_type,
   if chosen == "lax":
     return jax.lax.ragged_dot(lhs, rhs.dequantize(lhs.dtype), group_sizes, precision=precision,
                               preferred_element_type=preferred_element_type)
+  if chosen == "cutlass":
+    codes, scales = quantize_fp8(lhs, CUTLASS_BLOCK)
+    out = cutlass_ragged_dot_fp8(codes, scales, rhs, group_sizes,
+                                 zero_tail=rows_past_groups == "zero")
+    return out.astype(preferred_element_type or lhs.dtype)
   return tokamax_ragged_dot_fp8(lhs, rhs, group_sizes,
                                 preferred_element_type=preferred_element_type,
                                 zero_tail=rows_past_groups == "zero")
+
+
+# ------------------------------------------------------------ CUTLASS fp8 x fp8 (w8a8)
+CUTLASS_TARGET = "jax_moe_grouped_gemm_fp8"  # ffi/cutlass/grouped_gemm_ffi.cc
+CUTLASS_BLOCK = 128  # kGroupedGemmFp8Block: x's scale per 128 columns, w's per 128 x 128
+
+
+def cutlass_status() -> tuple[bool, str]:
+  """(True, "CUTLASS x.y.z") when this build has the CUTLASS fp8 grouped GEMM, else (False,
+  why)."""
+  version = native.build_info().get("cutlass_version")
+  if not version:
+    return False, ("this jax_moe build has no CUTLASS kernels (with nvcc present, run bash "
+                   "cuda/cutlass/fetch_headers.sh and reinstall)")
+  return True, f"CUTLASS {version}"
+
+
+def _cutlass_blocker(lhs, rhs, precision, preferred_element_type, device) -> str | None:
+  """Why the CUTLASS fp8 x fp8 kernel does not apply to this call (None when it does)."""
+  if not isinstance(rhs, BlockFp8Weights):
+    return "rhs is not a BlockFp8Weights (the CUTLASS kernel multiplies fp8 by fp8)"
+  available, reason = cutlass_status()
+  if not available:
+    return reason
+  if not _is_hopper(device):
+    return (f"the default device is {device.device_kind} ({device.platform}), not a Hopper "
+            "GPU (compute capability 9.x)")
+  if rhs.block != (CUTLASS_BLOCK, CUTLASS_BLOCK):
+    return f"the weight block is {rhs.block}, not (128, 128)"
+  k, n = rhs.shape[1], rhs.shape[2]
+  if k % CUTLASS_BLOCK or n % CUTLASS_BLOCK:
+    return f"K={k} and N={n} are not both multiples of 128"
+  if (preferred_element_type is not None
+      and jnp.dtype(preferred_element_type) not in _TOKAMAX_OUTPUT_DTYPES):
+    return f"preferred_element_type {jnp.dtype(preferred_element_type)} is not bf16/f16/f32"
+  if not _is_default_precision(precision):
+    return f"precision {precision!r} is not DEFAULT"
+  return None
+
+
+def cutlass_ragged_dot_fp8(x_codes, x_scales, rhs: BlockFp8Weights, group_sizes, *,
+                           zero_tail: bool = True, device=None):
+  """y [M, N] bf16 = the fp8 rows x_codes [M, K] (float8_e4m3fn) with scales x_scales
+  [M, K/128] f32 (a dispatch's fp8 output, or quantize_fp8(x, 128)) times the block-fp8 weights
+  rhs, group by group (`ragged_dot` semantics). `zero_tail=False` leaves rows past
+  sum(group_sizes) as they were (unspecified). `device`: whose SM count sizes the kernel's
+  workspace (the default device; every device of a mesh is assumed alike)."""
+  m, k = x_codes.shape
+  g, n, k_w = rhs.codes.shape
+  if jnp.dtype(x_codes.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+    raise TypeError(f"cutlass_ragged_dot_fp8: x_codes must be float8_e4m3fn, got "
+                    f"{x_codes.dtype}")
+  if k != k_w or k % CUTLASS_BLOCK or n % CUTLASS_BLOCK:
+    raise ValueError(f"cutlass_ragged_dot_fp8: x_codes {tuple(x_codes.shape)} and weights "
+                     f"[G, N, K] = {tuple(rhs.codes.shape)} must share K, and K and N must "
+                     f"be multiples of {CUTLASS_BLOCK}")
+  if tuple(x_scales.shape) != (m, k // CUTLASS_BLOCK):
+    raise ValueError(f"cutlass_ragged_dot_fp8: x_scales must be [M, K/128] = "
+                     f"{(m, k // CUTLASS_BLOCK)}, got {tuple(x_scales.shape)}")
+  if tuple(group_sizes.shape) != (g,):
+    raise ValueError(f"cutlass_ragged_dot_fp8: group_sizes must be [G] = ({g},), got "
+                     f"{tuple(group_sizes.shape)}")
+  module = native.load()
+  if module is None or not cutlass_status()[0]:
+    raise ValueError(f"cutlass_ragged_dot_fp8: {cutlass_status()[1]}")
+  native.register_targets()
+  device = device or _default_device()
+  workspace = module.cutlass_grouped_gemm_fp8_workspace_bytes(
+      g, m, n, k, getattr(device, "local_hardware_id", None) or 0)
+  y, _ = jax.ffi.ffi_call(CUTLASS_TARGET, (jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+                                           jax.ShapeDtypeStruct((workspace,), jnp.uint8)))(
+      x_codes, x_scales.astype(jnp.float32), rhs.codes, rhs.scales.astype(jnp.float32),
+      group_sizes.astype(jnp.int32))
+  if zero_tail:
+    _, total = clamp_group_sizes(group_sizes, m)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (m, 1), 0)
+    y = jnp.where(rows < total, y, jnp.zeros((), y.dtype))
+  return y
 
 
 def reference_ragged_dot(lhs, rhs, group_sizes) -> np.ndarray:

@@ -40,7 +40,8 @@ def build_info() -> dict:
   """What the native layer provides here.
 
   Keys: version, native, native_error (why it did not load, else None), cuda, cuda_version,
-  cuda_archs, libfabric, libfabric_version, libfabric_header_version, jax_version (the jax
+  cuda_archs, cutlass_version (the CUTLASS whose headers built the fp8 grouped GEMM, None when
+  the build had none), libfabric, libfabric_version, libfabric_header_version, jax_version (the jax
   whose FFI headers were compiled in; None without the native module), xla_ffi_api.
   """
   module, error = _load()
@@ -52,6 +53,7 @@ def build_info() -> dict:
       "cuda": False,
       "cuda_version": None,
       "cuda_archs": None,
+      "cutlass_version": None,
       "libfabric": False,
       "libfabric_version": None,
       "libfabric_header_version": None,

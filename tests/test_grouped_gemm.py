@@ -170,7 +170,7 @@ def test_bad_arguments_name_the_argument(overrides, error, match):
 def test_bad_implementation_and_preferred_type():
     args = _bad()
     with pytest.raises(ValueError, match="implementation must be one of"):
-        gg.ragged_dot(args["lhs"], args["rhs"], args["group_sizes"], implementation="cutlass")
+        gg.ragged_dot(args["lhs"], args["rhs"], args["group_sizes"], implementation="cublas")
     with pytest.raises(TypeError, match="preferred_element_type"):
         gg.ragged_dot(args["lhs"], args["rhs"], args["group_sizes"],
                       preferred_element_type="not-a-dtype")
@@ -356,7 +356,41 @@ def test_fp8_bad_arguments(rng):
     with pytest.raises(TypeError, match="integer"):
         gg.ragged_dot(x, w8, gs.astype(jnp.float32))
     with pytest.raises(ValueError, match="implementation must be one of"):
+        gg.ragged_dot(x, w8, gs, implementation="cublas")
+
+
+# ------------------------------------------------------------- CPU: the CUTLASS path's checks
+def test_cutlass_refuses_clearly_where_it_does_not_apply(rng):
+    x, w, gs = _inputs(rng, *CASES["uneven"], k=256, n=256, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="cutlass' does not apply: rhs is not a BlockFp8Weights"):
+        gg.ragged_dot(x, w, gs, implementation="cutlass")
+    _, _, w8, _ = _fp8_inputs(rng, *CASES["uneven"])
+    why = "not a Hopper GPU" if gg.cutlass_status()[0] else "no CUTLASS kernels"
+    with pytest.raises(ValueError, match=f"cutlass' does not apply: .*{why}"):
         gg.ragged_dot(x, w8, gs, implementation="cutlass")
+    assert gg.implementation_for(x, w8)[0] != "cutlass"  # "auto" never picks it on a CPU
+
+
+def test_cutlass_status_follows_the_build():
+    available, reason = gg.cutlass_status()
+    version = jm.build_info().get("cutlass_version")
+    assert available == bool(version)
+    assert (version in reason) if available else ("fetch_headers.sh" in reason)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(x_codes=jnp.zeros((8, 256), jnp.bfloat16)), TypeError, "x_codes must be float8_e4m3fn"),
+    (dict(x_scales=jnp.ones((8, 1), jnp.float32)), ValueError, r"x_scales must be \[M, K/128\]"),
+    (dict(x_codes=jnp.zeros((8, 384), jnp.float8_e4m3fn)), ValueError, "must share K"),
+    (dict(group_sizes=jnp.ones((3,), jnp.int32)), ValueError, r"group_sizes must be \[G\]"),
+])
+def test_cutlass_fp8_entry_checks_its_arguments(rng, change, error, match):
+    _, _, w8, _ = _fp8_inputs(rng, 8, [8, 0])
+    args = dict(x_codes=jnp.zeros((8, 256), jnp.float8_e4m3fn),
+                x_scales=jnp.ones((8, 2), jnp.float32), group_sizes=jnp.asarray([8, 0]))
+    args.update(change)
+    with pytest.raises(error, match=match):
+        gg.cutlass_ragged_dot_fp8(args["x_codes"], args["x_scales"], w8, args["group_sizes"])
 
 
 @pytest.mark.parametrize("case", ["uneven", "empty", "short", "over", "all_empty", "odd_rows"])
@@ -622,6 +656,110 @@ def test_gpu_every_fp8_config_matches(rng, config_name):
         want = jax.lax.ragged_dot(x, w8.dequantize(jnp.bfloat16), gs,
                                   preferred_element_type=jnp.float32)
         _assert_fp8_close(got, want, x, w8, sizes, jnp.bfloat16)
+
+
+def _needs_cutlass():
+    available, reason = gg.cutlass_status()
+    if not available:
+        pytest.skip(reason)
+    device = jax.devices()[0]
+    if not gg._is_hopper(device):
+        pytest.skip(f"{device.device_kind} is not a Hopper GPU")
+
+
+def _w8a8_reference(q, scales, w8, sizes):
+    """f64 product of the dequantized fp8 rows and weights (module semantics)."""
+    from jax_moe.quantization import dequantize_fp8
+    x = np.asarray(dequantize_fp8(q, scales, jnp.float32), np.float64)
+    w = np.asarray(w8.dequantize(jnp.float32), np.float64)
+    return x, w, gg.reference_ragged_dot(x, w, sizes)
+
+
+def _assert_w8a8_close(got, x, w, want, sizes):
+    """Both operands exact in f32: the kernel differs by the f32 summation order (its per-block
+    scaling adds one f32 rounding per K block) and the bf16 rounding of its output."""
+    got = np.asarray(got, np.float64)
+    magnitude = gg.reference_ragged_dot(np.abs(x), np.abs(w), sizes)
+    bound = 2 * x.shape[1] * 2.0 ** -24 * magnitude + 2.0 ** -8 * np.abs(want) + 1e-30
+    excess = np.abs(got - want) - bound
+    assert (excess <= 0).all(), (
+        f"max excess {excess.max():.3g} at {np.unravel_index(excess.argmax(), excess.shape)}")
+
+
+CUTLASS_CASES = {
+    **GPU_CASES,
+    "negative": (300, [100, -5, 80, 0, 120, 0, 0, 0]),      # a negative size counts as 0
+    "all_empty": (64, [0] * 8),
+    # more groups than the argument kernel's 256 threads: its scan runs in chunks
+    "many_groups": (1200, list(np.random.default_rng(7).integers(0, 9, 300))),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(CUTLASS_CASES))
+def test_gpu_cutlass_fp8_matches_the_dequantized_product(rng, case):
+    """The CUTLASS fp8 x fp8 kernel on dispatch-style fp8 rows (quantize_fp8, scales of very
+    different sizes per block) against the f64 product of both dequantized operands. The rows
+    past the groups hold NaN codes and scales: they must not reach any result, and they come
+    back as zeros (zero_tail) or are left alone (not compared)."""
+    _needs_cutlass()
+    from jax_moe.quantization import quantize_fp8
+    m, sizes = CUTLASS_CASES[case]
+    g = len(sizes)
+    x = rng.standard_normal((m, 512)) * np.exp(rng.uniform(-4, 2, (m, 1)))
+    q, scales = quantize_fp8(jnp.asarray(x, jnp.float32), 128)
+    total = min(sum(max(s, 0) for s in sizes), m)
+    q = q.at[total:].set(jnp.nan)  # e4m3fn NaN
+    scales = scales.at[total:].set(jnp.nan)
+    _, _, w8, gs = _fp8_inputs(rng, m, sizes, k=512, n=384)
+    xd, wd, want = _w8a8_reference(q[:total], scales[:total], w8, np.maximum(sizes, 0))
+    for zero_tail in (True, False):
+        got = jax.jit(lambda a, b, c, d: gg.cutlass_ragged_dot_fp8(a, b, c, d,
+                                                                   zero_tail=zero_tail))(
+            q, scales, w8, gs)
+        assert got.dtype == jnp.bfloat16 and got.shape == (m, 384)
+        got = np.asarray(got, np.float64)
+        _assert_w8a8_close(got[:total], xd, wd, want, np.maximum(sizes, 0))
+        if zero_tail:
+            assert not got[total:].any()
+
+
+@pytest.mark.gpu
+def test_gpu_cutlass_one_compiled_call_follows_the_group_sizes(rng):
+    """The group sizes reach CUTLASS through the device only: one jitted call, fed several
+    size vectors (empty groups moving around), is right for each."""
+    _needs_cutlass()
+    m, g = 256, 6
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+    _, _, w8, _ = _fp8_inputs(rng, m, [0] * g, k=256, n=256)
+    fn = jax.jit(lambda a, b, c: gg.ragged_dot(a, b, c, implementation="cutlass",
+                                               preferred_element_type=jnp.float32))
+    from jax_moe.quantization import quantize_fp8
+    q, scales = quantize_fp8(x.astype(jnp.float32), 128)
+    for sizes in ([256, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 256], [40, 0, 100, 0, 16, 100],
+                  [1, 1, 1, 1, 1, 1], [0] * g):
+        got = fn(x, w8, jnp.asarray(sizes, jnp.int32))
+        assert got.dtype == jnp.float32
+        xd, wd, want = _w8a8_reference(q, scales, w8, sizes)
+        total = sum(sizes)
+        _assert_w8a8_close(np.asarray(got)[:total], xd[:total], wd, want[:total], sizes)
+        assert not np.asarray(got)[total:].any()
+
+
+@pytest.mark.gpu
+def test_gpu_cutlass_against_bf16_weights_states_the_error(rng):
+    """What w8a8 costs against the bf16 product (the accuracy the issue asks to state): the
+    relative Frobenius error of the CUTLASS path against x @ w in f64 at DeepSeek-V3-like
+    magnitudes stays under 5% (e4m3's 2^-4 relative rounding of both operands, averaged)."""
+    _needs_cutlass()
+    m, sizes = GPU_CASES["uneven"]
+    x, w, w8, gs = _fp8_inputs(rng, m, sizes, k=512, n=256)
+    got = np.asarray(jax.jit(lambda a, b, c: gg.ragged_dot(a, b, c, implementation="cutlass"))(
+        x, w8, gs), np.float64)
+    want = gg.reference_ragged_dot(np.asarray(x, np.float64), w, sizes)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    print(f"cutlass w8a8 against the f64 product of x and the unquantized w: {err:.3e}")
+    assert err < 0.05, err
 
 
 @pytest.mark.gpu
