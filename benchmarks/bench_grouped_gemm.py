@@ -257,7 +257,29 @@ def methods_for(kind: str, sizes: np.ndarray, m: int, k: int, n: int, wanted, sw
                 lambda x, w, gs: gg.tokamax_ragged_dot(x, w, gs, preferred_element_type=bf16,
                                                        zero_tail=False),
                 gg.tuned_config(m, 128, 128, len(sizes), device), ""))
-  if "fp8" in wanted and kind == "decode":
+  if "fp8" in wanted:
+    cutlass_ok, cutlass_why = gg.cutlass_status()
+    if cutlass_ok and not on_hopper:
+      cutlass_ok, cutlass_why = False, f"{device.device_kind} is not a Hopper GPU"
+    # fp8 x fp8 (w8a8) on CUTLASS: x quantized in the call (what ragged_dot does), and rows
+    # that are fp8 already (a dispatch's output; here x's values cast to e4m3 with unit scales,
+    # a cast XLA fuses into one pass). Each is checked against its own operands dequantized.
+    # Every tile config on the fp8 rows; the quantizing call with the config cutlass_config picks.
+    w8a8 = [(f"jax_moe fp8 cutlass {gg.cutlass_config(m, len(sizes))}, x quantized in the call",
+             lambda x, w8, gs: gg.ragged_dot(x, w8, gs, preferred_element_type=bf16,
+                                             implementation="cutlass"),
+             lambda x: dequantize_fp8(*quantize_fp8(x.astype(jnp.float32), 128)))]
+    for config in gg.cutlass_configs() if cutlass_ok else list(gg.CUTLASS_CONFIGS.values())[:1]:
+      w8a8.append((f"cutlass {config}, fp8 rows as dispatched",
+                   lambda x, w8, gs, c=config: gg.cutlass_ragged_dot_fp8(
+                       x.astype(jnp.float8_e4m3fn), jnp.ones((m, k // 128), jnp.float32), w8,
+                       gs, config=c),
+                   lambda x: x.astype(jnp.float8_e4m3fn).astype(jnp.float32)))
+    for label, fn, x_seen in w8a8:
+      fn.x_seen = x_seen
+      out.append((label, "fp8 w8a8", fn if cutlass_ok else None, None,
+                  "" if cutlass_ok else cutlass_why))
+  if "fp8" in wanted and kind == "decode":  # tokamax's weight-only fp8 kernel
     fp8_struct = gg.BlockFp8Weights(jax.ShapeDtypeStruct((len(sizes), n, k), jnp.float8_e4m3fn),
                                     jax.ShapeDtypeStruct((len(sizes), -(-n // 128), k // 128),
                                                          jnp.float32))
@@ -266,24 +288,6 @@ def methods_for(kind: str, sizes: np.ndarray, m: int, k: int, n: int, wanted, sw
     out.append(("jax_moe fp8 auto", "fp8",
                 lambda x, w8, gs: gg.ragged_dot(x, w8, gs, preferred_element_type=bf16),
                 gg.tuned_fp8_config(m, len(sizes), bf16, device), f"-> {chosen[0]}: {chosen[1]}"))
-    cutlass_ok, cutlass_why = gg.cutlass_status()
-    if cutlass_ok and not on_hopper:
-      cutlass_ok, cutlass_why = False, f"{device.device_kind} is not a Hopper GPU"
-    # fp8 x fp8 (w8a8) on CUTLASS: x quantized in the call (what ragged_dot does), and rows
-    # that are fp8 already (a dispatch's output; here x's values cast to e4m3 with unit scales,
-    # a cast XLA fuses into one pass). Each is checked against its own operands dequantized.
-    w8a8 = [("jax_moe fp8 cutlass (x quantized in the call)",
-             lambda x, w8, gs: gg.ragged_dot(x, w8, gs, preferred_element_type=bf16,
-                                             implementation="cutlass"),
-             lambda x: dequantize_fp8(*quantize_fp8(x.astype(jnp.float32), 128))),
-            ("cutlass fp8 rows (as dispatched: no quantization in the call)",
-             lambda x, w8, gs: gg.cutlass_ragged_dot_fp8(
-                 x.astype(jnp.float8_e4m3fn), jnp.ones((m, k // 128), jnp.float32), w8, gs),
-             lambda x: x.astype(jnp.float8_e4m3fn).astype(jnp.float32))]
-    for label, fn, x_seen in w8a8:
-      fn.x_seen = x_seen
-      out.append((label, "fp8 w8a8", fn if cutlass_ok else None, None,
-                  "" if cutlass_ok else cutlass_why))
     if tokamax_ok:
       for name in fp8_variants:
         scale_dtype, x_dtype, kernel_out = FP8_VARIANTS[name]

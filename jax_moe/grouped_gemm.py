@@ -565,6 +565,8 @@ def _ragged_dot_fp8(lhs, rhs, group_sizes, *, precision, preferred_element_type,
 # ------------------------------------------------------------ CUTLASS fp8 x fp8 (w8a8)
 CUTLASS_TARGET = "jax_moe_grouped_gemm_fp8"  # ffi/cutlass/grouped_gemm_ffi.cc
 CUTLASS_BLOCK = 128  # kGroupedGemmFp8Block: x's scale per 128 columns, w's per 128 x 128
+# The tile config per shape class ("decode"/"prefill" as SM90_CONFIGS); not measured yet
+CUTLASS_CONFIGS = {"decode": "pingpong_64x128", "prefill": "cooperative_128x128"}
 
 
 def cutlass_status() -> tuple[bool, str]:
@@ -600,13 +602,26 @@ def _cutlass_blocker(lhs, rhs, precision, preferred_element_type, device) -> str
   return None
 
 
+def cutlass_configs() -> list[str]:
+  """The CUTLASS fp8 kernel's tile configs (GroupedGemmFp8Config in cuda/cutlass/grouped_gemm.cuh,
+  in index order); [] without CUTLASS."""
+  module = native.load()
+  return list(module.cutlass_grouped_gemm_fp8_configs()) if cutlass_status()[0] else []
+
+
+def cutlass_config(m: int, g: int) -> str:
+  """The tile config this module uses for [m, K] rows over g groups."""
+  return CUTLASS_CONFIGS[_shape_class(m, g)]
+
+
 def cutlass_ragged_dot_fp8(x_codes, x_scales, rhs: BlockFp8Weights, group_sizes, *,
-                           zero_tail: bool = True, device=None):
+                           zero_tail: bool = True, config: str | None = None, device=None):
   """y [M, N] bf16 = the fp8 rows x_codes [M, K] (float8_e4m3fn) with scales x_scales
   [M, K/128] f32 (a dispatch's fp8 output, or quantize_fp8(x, 128)) times the block-fp8 weights
   rhs, group by group (`ragged_dot` semantics). `zero_tail=False` leaves rows past
-  sum(group_sizes) as they were (unspecified). `device`: whose SM count sizes the kernel's
-  workspace (the default device; every device of a mesh is assumed alike)."""
+  sum(group_sizes) as they were (unspecified). `config`: a name of cutlass_configs() (None:
+  cutlass_config's choice). `device`: whose SM count sizes the kernel's workspace (the
+  default device; every device of a mesh is assumed alike)."""
   m, k = x_codes.shape
   g, n, k_w = rhs.codes.shape
   if jnp.dtype(x_codes.dtype) != jnp.dtype(jnp.float8_e4m3fn):
@@ -625,14 +640,19 @@ def cutlass_ragged_dot_fp8(x_codes, x_scales, rhs: BlockFp8Weights, group_sizes,
   module = native.load()
   if module is None or not cutlass_status()[0]:
     raise ValueError(f"cutlass_ragged_dot_fp8: {cutlass_status()[1]}")
+  names = cutlass_configs()
+  config = cutlass_config(m, g) if config is None else config
+  if config not in names:
+    raise ValueError(f"cutlass_ragged_dot_fp8: config must be one of {names}, got {config!r}")
   native.register_targets()
   device = device or _default_device()
+  index = names.index(config)
   workspace = module.cutlass_grouped_gemm_fp8_workspace_bytes(
-      g, m, n, k, getattr(device, "local_hardware_id", None) or 0)
+      index, g, m, n, k, getattr(device, "local_hardware_id", None) or 0)
   y, _ = jax.ffi.ffi_call(CUTLASS_TARGET, (jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
                                            jax.ShapeDtypeStruct((workspace,), jnp.uint8)))(
       x_codes, x_scales.astype(jnp.float32), rhs.codes, rhs.scales.astype(jnp.float32),
-      group_sizes.astype(jnp.int32))
+      group_sizes.astype(jnp.int32), config=np.int32(index))
   if zero_tail:
     _, total = clamp_group_sizes(group_sizes, m)
     rows = jax.lax.broadcasted_iota(jnp.int32, (m, 1), 0)

@@ -1,152 +1,31 @@
-// fp8 x fp8 grouped GEMM with DeepSeek-V3's block scales (w8a8), on CUTLASS's Hopper
-// ptr-array kernel with blockwise scaling (TMA loads, warp-specialized cooperative wgmma, the
-// f32 partial sum of every 128-deep K block scaled and accumulated in registers). Contract:
-// cuda/cutlass/grouped_gemm.cuh. Why CUTLASS and not tokamax: tokamax 0.0.17 has no fp8 x fp8
-// kernel for sm90 (it dequantizes fp8 activations to bf16 first) and its weight-only fp8
-// kernel writes 64-column tiles (docs/perf-notes.md, "Expert GEMMs with fp8 weights").
+// The fp8 grouped GEMM's launcher (cuda/cutlass/grouped_gemm.cuh): the kernel that builds the
+// groups' CUTLASS arguments on the device, then the chosen config's CUTLASS kernel.
 //
 // The group sizes live on the device, so the per-group arguments CUTLASS reads (problem shape,
-// operand pointers, strides, scale layouts) are built by a kernel (`prepare_kernel`) into the
-// workspace, and CUTLASS's host side never sees a group's size (its "device problem shapes
-// only" mode). The same kernel moves the scales into the layout this CUTLASS kernel reads
-// for sm90: M-major within a group for x's, N-major within a group for w's.
+// operand pointers, strides, scale layouts) are built by `prepare_kernel` into the workspace,
+// and CUTLASS's host side never sees a group's size (its "device problem shapes only" mode).
+// The same kernel moves the scales into the layout this CUTLASS kernel reads for sm90: M-major
+// within a group for x's, N-major within a group for w's.
 #include <cub/block/block_scan.cuh>
 
-#include "cuda/cutlass/grouped_gemm.cuh"
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/detail/blockwise_scale_layout.hpp"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/dispatch_policy.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include <algorithm>
+
+#include "cuda/cutlass/grouped_gemm_fp8.cuh"
 #include "cutlass/util/packed_stride.hpp"
 
 namespace jax_moe {
+namespace fp8gemm {
 namespace {
 
-constexpr int kBlock = kGroupedGemmFp8Block;
-
-// ---- the CUTLASS kernel ------------------------------------------------------------------
-using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K)
-using GroupShape = ProblemShape::UnderlyingProblemShape;
-
-using ElementA = cutlass::float_e4m3_t;  // x codes [M, K]: K contiguous
-using LayoutA = cutlass::layout::RowMajor;
-using ElementB = cutlass::float_e4m3_t;  // w codes [N, K] per group: K contiguous
-using LayoutB = cutlass::layout::ColumnMajor;
-using ElementD = cutlass::bfloat16_t;    // y [M, N]: N contiguous
-using LayoutD = cutlass::layout::RowMajor;
-constexpr int kAlignA = 16, kAlignB = 16, kAlignD = 8;  // 16-byte TMA units, in elements
-
-using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-// One scale per row of x and per 128 K; one per 128 x 128 block of w. sm90's kernel reads
-// both M/N-major (scales of consecutive rows adjacent), hence the transposes below.
-using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kBlock, kBlock>;
-using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-
-using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-    void, LayoutD*, kAlignD,  // no source operand C
-    ElementD, LayoutD*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-    cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
-
-using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
-    cute::tuple<LayoutA*, LayoutSFA*>, kAlignA, ElementB, cute::tuple<LayoutB*, LayoutSFB*>,
-    kAlignB, float, TileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<
-        static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-
-using GemmKernel =
-    cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-
-using StrideA = typename GemmKernel::InternalStrideA;
-using StrideB = typename GemmKernel::InternalStrideB;
-using StrideD = typename GemmKernel::InternalStrideD;
-
-// ---- workspace ---------------------------------------------------------------------------
-// [shapes G][ptr_a G][ptr_b G][ptr_sfa G][ptr_sfb G][ptr_d G][stride_a G][stride_b G]
-// [stride_d G][layout_sfa G][layout_sfb G][sfa M*KB f32][sfb G*KB*NB f32][CUTLASS's own],
-// every piece starting on a 256-byte boundary. sfa: group g's scales at rows' offset
-// start_g * KB, as [KB][m_g] (M-major); sfb: group g's at g * KB * NB, as [KB][NB] (N-major).
 constexpr size_t kAlign = 256;
 constexpr size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-struct Workspace {
-  GroupShape* shapes;
-  const ElementA** ptr_a;
-  const ElementB** ptr_b;
-  const float** ptr_sfa;
-  const float** ptr_sfb;
-  ElementD** ptr_d;
-  StrideA* stride_a;
-  StrideB* stride_b;
-  StrideD* stride_d;
-  LayoutSFA* layout_sfa;
-  LayoutSFB* layout_sfb;
-  float* sfa;
-  float* sfb;
-  void* cutlass;
-  size_t bytes;  // all of the above, CUTLASS's part included
-};
-
-Workspace carve(char* base, int64_t groups, int64_t m, int64_t n, int64_t k, size_t cutlass_bytes) {
-  Workspace w{};
-  size_t at = 0;
-  auto take = [&](auto*& ptr, size_t count) {
-    using T = std::remove_reference_t<decltype(*ptr)>;
-    ptr = base == nullptr ? nullptr : reinterpret_cast<T*>(base + at);
-    at += align_up(count * sizeof(T));
-  };
-  const int64_t kb = k / kBlock, nb = n / kBlock;
-  take(w.shapes, groups);
-  take(w.ptr_a, groups);
-  take(w.ptr_b, groups);
-  take(w.ptr_sfa, groups);
-  take(w.ptr_sfb, groups);
-  take(w.ptr_d, groups);
-  take(w.stride_a, groups);
-  take(w.stride_b, groups);
-  take(w.stride_d, groups);
-  take(w.layout_sfa, groups);
-  take(w.layout_sfb, groups);
-  take(w.sfa, m * kb);
-  take(w.sfb, groups * kb * nb);
-  w.cutlass = base == nullptr ? nullptr : base + at;
-  w.bytes = at + align_up(cutlass_bytes);
-  return w;
-}
-
-typename Gemm::Arguments gemm_arguments(const Workspace& w, int32_t groups, int32_t sm_count,
-                                        int32_t device) {
-  cutlass::KernelHardwareInfo hw;
-  hw.device_id = device;
-  hw.sm_count = sm_count;
-  typename Gemm::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGrouped,
-      {groups, w.shapes, nullptr},  // device problem shapes only
-      {w.ptr_a, w.stride_a, w.ptr_b, w.stride_b, w.ptr_sfa, w.layout_sfa, w.ptr_sfb,
-       w.layout_sfb},
-      {{}, nullptr, w.stride_d, w.ptr_d, w.stride_d},
-      hw};
-  auto& fusion = args.epilogue.thread;
-  fusion.alpha = 1.0f;
-  fusion.beta = 0.0f;
-  return args;
-}
-
-size_t cutlass_workspace_bytes(int32_t groups, int32_t sm_count) {
-  const Workspace none = carve(nullptr, groups, 0, 0, 0, 0);
-  return Gemm::get_workspace_size(gemm_arguments(none, groups, sm_count, 0));
+const Fp8ConfigOps* config_ops(int32_t config) {
+  switch (config) {
+    case kFp8Cooperative128x128: return &kCooperative128x128Ops;
+    case kFp8Pingpong64x128: return &kPingpong64x128Ops;
+    default: return nullptr;
+  }
 }
 
 // ---- the argument-building kernel ------------------------------------------------------------
@@ -225,48 +104,80 @@ prepare_kernel(GroupedGemmFp8Args a, Workspace w) {
 
 }  // namespace
 
-size_t grouped_gemm_fp8_workspace_bytes(int32_t groups, int64_t m, int64_t n, int64_t k,
-                                        int32_t sm_count) {
-  return carve(nullptr, groups, m, n, k, cutlass_workspace_bytes(groups, sm_count)).bytes;
+Workspace carve(char* base, int64_t groups, int64_t m, int64_t n, int64_t k, size_t cutlass_bytes) {
+  Workspace w{};
+  size_t at = 0;
+  auto take = [&](auto*& ptr, size_t count) {
+    using T = std::remove_reference_t<decltype(*ptr)>;
+    ptr = base == nullptr ? nullptr : reinterpret_cast<T*>(base + at);
+    at += align_up(count * sizeof(T));
+  };
+  const int64_t kb = k / kBlock, nb = n / kBlock;
+  take(w.shapes, groups);
+  take(w.ptr_a, groups);
+  take(w.ptr_b, groups);
+  take(w.ptr_sfa, groups);
+  take(w.ptr_sfb, groups);
+  take(w.ptr_d, groups);
+  take(w.stride_a, groups);
+  take(w.stride_b, groups);
+  take(w.stride_d, groups);
+  take(w.layout_sfa, groups);
+  take(w.layout_sfb, groups);
+  take(w.sfa, m * kb);
+  take(w.sfb, groups * kb * nb);
+  w.cutlass = base == nullptr ? nullptr : base + at;
+  w.bytes = at + align_up(cutlass_bytes);
+  return w;
+}
+
+}  // namespace fp8gemm
+
+const char* grouped_gemm_fp8_config_name(int32_t config) {
+  switch (config) {
+    case kFp8Cooperative128x128: return "cooperative_128x128";
+    case kFp8Pingpong64x128: return "pingpong_64x128";
+    default: return nullptr;
+  }
+}
+
+size_t grouped_gemm_fp8_workspace_bytes(int32_t config, int32_t groups, int64_t m, int64_t n,
+                                        int64_t k, int32_t sm_count) {
+  const fp8gemm::Fp8ConfigOps* ops = fp8gemm::config_ops(config);
+  if (ops == nullptr) return 0;
+  return fp8gemm::carve(nullptr, groups, m, n, k, ops->cutlass_workspace_bytes(groups, sm_count))
+      .bytes;
 }
 
 cudaError_t launch_grouped_gemm_fp8(const GroupedGemmFp8Args& a, const char** detail,
                                     cudaStream_t stream) {
+  using namespace fp8gemm;
   auto refuse = [&](const char* why) {
     if (detail != nullptr) *detail = why;
     return cudaErrorInvalidValue;
   };
+  const Fp8ConfigOps* ops = config_ops(a.config);
+  if (ops == nullptr) return refuse("grouped GEMM: unknown config");
   if (a.groups < 1 || a.m < 0 || a.n % kBlock != 0 || a.k % kBlock != 0 || a.n <= 0 ||
       a.k <= 0 || a.m > INT32_MAX || a.n > INT32_MAX || a.k > INT32_MAX)
     return refuse("grouped GEMM: needs groups >= 1, N and K positive multiples of 128, "
                   "M, N, K < 2^31");
-  const size_t cutlass_bytes = cutlass_workspace_bytes(a.groups, a.sm_count);
   const Workspace w = carve(static_cast<char*>(a.workspace), a.groups, a.m, a.n, a.k,
-                            cutlass_bytes);
+                            ops->cutlass_workspace_bytes(a.groups, a.sm_count));
   if (a.workspace_bytes < w.bytes) return refuse("grouped GEMM: workspace too small");
 
   const size_t shared = (static_cast<size_t>(a.groups) + 1) * sizeof(int32_t);
   if (shared > 48 * 1024) return refuse("grouped GEMM: more than 12287 groups");
-  // enough blocks to spread the x-scale transpose; every block rescans the group sizes
-  const int64_t work = a.m * (a.k / kBlock) + int64_t{a.groups} * (a.n / kBlock) * (a.k / kBlock);
-  const int blocks = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(2 * std::max(a.sm_count, 1),
-                                             (work + 8 * kPrepThreads - 1) / (8 * kPrepThreads))));
+  // enough blocks to spread the scale transposes; every block rescans the group sizes
+  const int64_t work =
+      a.m * (a.k / kBlock) + int64_t{a.groups} * (a.n / kBlock) * (a.k / kBlock);
+  const int blocks = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(2 * std::max(a.sm_count, 1),
+                           (work + 8 * kPrepThreads - 1) / (8 * kPrepThreads))));
   prepare_kernel<<<blocks, kPrepThreads, shared, stream>>>(a, w);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   if (a.m == 0) return cudaSuccess;
-
-  Gemm gemm;
-  const typename Gemm::Arguments args = gemm_arguments(w, a.groups, a.sm_count, a.device);
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-    return refuse("grouped GEMM: CUTLASS cannot implement this problem");
-  if (gemm.initialize(args, w.cutlass, stream) != cutlass::Status::kSuccess)
-    return refuse("grouped GEMM: CUTLASS initialize failed");
-  if (gemm.run(stream) != cutlass::Status::kSuccess) {
-    const cudaError_t err = cudaGetLastError();
-    return err != cudaSuccess ? err : refuse("grouped GEMM: CUTLASS run failed");
-  }
-  return cudaGetLastError();
+  return ops->run(w, a, detail, stream);
 }
 
 }  // namespace jax_moe

@@ -34,11 +34,15 @@ ffi::ErrorOr<int32_t> sm_count(int32_t device) {
   return sms;
 }
 
-ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x_codes,
+ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, int32_t ordinal, int32_t config,
+                              ffi::AnyBuffer x_codes,
                               ffi::Buffer<ffi::F32> x_scales, ffi::AnyBuffer w_codes,
                               ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> group_sizes,
                               ffi::Result<ffi::Buffer<ffi::BF16>> y,
                               ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
+  if (grouped_gemm_fp8_config_name(config) == nullptr)
+    return invalid("config " + std::to_string(config) + " is not one of the " +
+                   std::to_string(kFp8ConfigCount) + " of cutlass_grouped_gemm_fp8_configs()");
   for (auto [name, dtype] : {std::pair{"x_codes", x_codes.element_type()},
                              std::pair{"w_codes", w_codes.element_type()}})
     if (auto err = expect_dtype(kSite, name, dtype, ffi::DataType::F8E4M3FN); err.failure())
@@ -71,7 +75,8 @@ ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
                                 cudaGetErrorString(status));
   auto sms = sm_count(ordinal);
   if (sms.has_error()) return sms.error();
-  const size_t need = grouped_gemm_fp8_workspace_bytes(static_cast<int32_t>(g), m, n, k, *sms);
+  const size_t need =
+      grouped_gemm_fp8_workspace_bytes(config, static_cast<int32_t>(g), m, n, k, *sms);
   if (workspace->size_bytes() < need)
     return invalid("workspace has " + std::to_string(workspace->size_bytes()) + " bytes, " +
                    std::to_string(need) + " needed (cutlass_grouped_gemm_fp8_workspace_bytes)");
@@ -80,7 +85,7 @@ ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
                                 w_codes.untyped_data(), w_scales.typed_data(),
                                 group_sizes.typed_data(), y->untyped_data(),
                                 workspace->untyped_data(), workspace->size_bytes(),
-                                m, n, k, static_cast<int32_t>(g), *sms, ordinal};
+                                m, n, k, static_cast<int32_t>(g), *sms, ordinal, config};
   const char* detail = nullptr;
   const cudaError_t status = launch_grouped_gemm_fp8(args, &detail, stream);
   if (status == cudaSuccess) return ffi::Error::Success();
@@ -93,13 +98,26 @@ ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
 
 void bind_cutlass(nb::module_& m) {
   m.def(
+      "cutlass_grouped_gemm_fp8_configs",
+      [] {
+        nb::list names;
+        for (int32_t c = 0; c < kFp8ConfigCount; ++c)
+          names.append(nb::str(grouped_gemm_fp8_config_name(c)));
+        return names;
+      },
+      "Names of the fp8 grouped GEMM's tile configs; a config's index is its `config` "
+      "attribute (GroupedGemmFp8Config).");
+  m.def(
       "cutlass_grouped_gemm_fp8_workspace_bytes",
-      [](int32_t groups, int64_t rows, int64_t n, int64_t k, int32_t device) {
+      [](int32_t config, int32_t groups, int64_t rows, int64_t n, int64_t k, int32_t device) {
+        if (grouped_gemm_fp8_config_name(config) == nullptr)
+          throw nb::value_error(("unknown config " + std::to_string(config)).c_str());
         auto sms = sm_count(device);
         if (sms.has_error()) throw std::runtime_error(std::string(sms.error().message()));
-        return grouped_gemm_fp8_workspace_bytes(groups, rows, n, k, *sms);
+        return grouped_gemm_fp8_workspace_bytes(config, groups, rows, n, k, *sms);
       },
-      nb::arg("groups"), nb::arg("rows"), nb::arg("n"), nb::arg("k"), nb::arg("device"),
+      nb::arg("config"), nb::arg("groups"), nb::arg("rows"), nb::arg("n"), nb::arg("k"),
+      nb::arg("device"),
       "Bytes of the workspace output of jax_moe_grouped_gemm_fp8 for x [rows, k], w [groups, "
       "n, k] on CUDA device `device` (its SM count sizes CUTLASS's part).");
 }
@@ -112,6 +130,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmFp8Ffi, jax_moe::GroupedGemmFp8Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int32_t>("config")             // GroupedGemmFp8Config
                                   .Arg<ffi::AnyBuffer>()               // x_codes [M, K] e4m3
                                   .Arg<ffi::Buffer<ffi::F32>>()        // x_scales [M, K/128]
                                   .Arg<ffi::AnyBuffer>()               // w_codes [G, N, K] e4m3
