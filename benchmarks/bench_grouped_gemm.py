@@ -86,6 +86,12 @@ SHAPES = {
     # (its weights stored with the routed ones): one kernel where the step runs two
     "decode-dsv3-ep8-gateup-shared": (1152, 33, 7168, 4096, "decode"),
     "decode-dsv3-ep8-down-shared": (1152, 33, 2048, 7168, "decode"),
+    # the Qwen3 share's groups (64 rows, 4096 -> 1536) in counts that give CUTLASS's 64 x 128
+    # tiles exactly 1, 2 and 3 waves over 132 SMs (the share itself, 16 groups, is 1.45): how
+    # a kernel's time grows with its tiles, for the fp8 target's note (issue 20)
+    "waves-qwen3-g11": (704, 11, 4096, 1536, "decode"),
+    "waves-qwen3-g22": (1408, 22, 4096, 1536, "decode"),
+    "waves-qwen3-g33": (2112, 33, 4096, 1536, "decode"),
 }
 QUICK_SHAPES = {
     "decode-tiny": (64, 8, 256, 128, "decode"),
