@@ -29,6 +29,10 @@ also, for the record, against the f32-dequantized and the original bf16 weights)
 0.6x the bf16 "jax_moe auto" time. --fp8-variants NAME,... also tries other operand dtypes
 (FP8_VARIANTS: bf16 scales, bf16 x, f32 scales, f32 output) and records what they give;
 --sweep fp8 times SWEEP_FP8's tile configs (the data behind grouped_gemm.SM90_FP8_CONFIGS).
+With fp8 and a CUTLASS build, at every shape, also fp8 x fp8 ("fp8 w8a8") on CUTLASS
+(implementation="cutlass"): x quantized in the call, and every tile config on rows that are
+fp8 already (x cast to e4m3 with unit scales, as a dispatch would hand them over), each
+checked against the f32 product of the operands it was given, dequantized.
 
 Writes <out>/grouped_gemm_<device>.json (after every shape) and .png, and prints the table.
 
