@@ -33,6 +33,28 @@ __device__ void block_copy(int n, Load load, Store store) {
   }
 }
 
+// Token t's row slot of source `src` as this rank's receive side reads it: device memory for
+// its own tokens, the host buffer's recv_tokens[src][t] for the others'.
+__device__ inline const char* received_token(const ProxyRowsView& v, const BufferLayout& lay,
+                                             int src, int t) {
+  const MoeDims& d = v.dims;
+  if (src == d.rank) return v.self + self_layout(d).tokens + size_t(t) * token_bytes(d);
+  return token_slot(v.buffer, lay, d, src, t);
+}
+
+// Where the combine term of this rank for source `src` lands: part[me][t] (expert mode,
+// `index` = t) or comb[t][k] (source mode, `index` = t * K + k) of src's buffer, or of `self`
+// when src is this rank.
+__device__ inline char* combine_term(const ProxyRowsView& v, const BufferLayout& lay, int src,
+                                     size_t index) {
+  const MoeDims& d = v.dims;
+  const size_t row_bytes = d.reduce_expert ? size_t(d.hidden) * partial_bytes(d)
+                                           : size_t(d.hidden) * 2;
+  if (src == d.rank) return v.self + self_layout(d).combine + index * row_bytes;
+  const size_t before = d.reduce_expert ? size_t(d.rank) * d.max_tokens * row_bytes : 0;
+  return v.peers[src] + lay.combine + before + index * row_bytes;
+}
+
 template <typename F>
 __device__ inline void for_each_rank(uint64_t mask, F f) {
   for (; mask; mask &= mask - 1) f(__ffsll(static_cast<long long>(mask)) - 1);
@@ -45,7 +67,10 @@ __device__ void send_row(const ProxyRowsView& v, const BufferLayout& lay, const 
                          const float* x_scales, int t, uint64_t mask) {
   const MoeDims& d = v.dims;
   const int H = d.hidden, me = d.rank;
-  auto slot = [&](int p) { return token_slot(v.peers[p], lay, d, me, t); };
+  auto slot = [&](int p) {
+    return p == me ? v.self + self_layout(d).tokens + size_t(t) * token_bytes(d)
+                   : token_slot(v.peers[p], lay, d, me, t);
+  };
   if constexpr (kInput == kInputBf16) {
     const uint4* row = static_cast<const uint4*>(x) + size_t(t) * H / 8;
     block_copy(H / 8, [&](int c) { return row[c]; }, [&](int c, uint4 value) {
@@ -175,7 +200,7 @@ __global__ void __launch_bounds__(kThreads)
     const int token = v.tokens[i];  // source * T + t
     if (threadIdx.x < K) rows[threadIdx.x] = v.slot_rows[size_t(token) * K + threadIdx.x];
     __syncthreads();
-    const char* slot = token_slot(v.buffer, lay, d, token / T, token % T);
+    const char* slot = received_token(v, lay, token / T, token % T);
     const uint4* in = reinterpret_cast<const uint4*>(slot);
     block_copy(vectors, [&](int c) { return in[c]; }, [&](int c, uint4 value) {
       for (int k = 0; k < K; ++k)
@@ -257,8 +282,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = blockIdx.x; j < R * T * K; j += gridDim.x) {
       const int row = slot_rows[j];
       if (row == -1) continue;
-      uint4* dst = reinterpret_cast<uint4*>(v.peers[j / (T * K)] + lay.combine) +
-                   size_t(j % (T * K)) * H / 8;
+      uint4* dst = reinterpret_cast<uint4*>(combine_term(v, lay, j / (T * K), j % (T * K)));
       const bool kept = row >= 0 && row < C;
       block_copy(H / 8, [&](int c) { return kept ? y[size_t(row) * H / 8 + c] : uint4{}; },
                  [&](int c, uint4 value) { dst[c] = value; });
@@ -288,7 +312,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     if (count >= 0) {
       const int src = task / T, t = task % T;
-      char* dst = v.peers[src] + lay.combine + (size_t(d.rank) * T + t) * H * partial_bytes(d);
+      char* dst = combine_term(v, lay, src, t);
       sum_terms(H / 8, count, w,
                 [&](int i, int c, float f[8]) { bf16x8_to_f32(y[size_t(rows[i]) * H / 8 + c], f); },
                 [&](int c, const float acc[8]) { store_partial(d, dst, c, acc); });
@@ -306,9 +330,10 @@ __global__ void __launch_bounds__(kThreads)
   const BufferLayout lay = buffer_layout(d);
   const bool go = !read_volatile(v.aborted) && v.control_copy->go;
   const char* comb = v.buffer + lay.combine;
+  const char* own = v.self + self_layout(d).combine;
   // Terms of token t: source mode, comb[t][k] (bf16 [T][K][H]) of each valid slot with its
   // weight, in k order; expert mode, part[p][t] ([R][T][H]) of each rank p holding one of
-  // its slots, in rank order.
+  // its slots, in rank order. This rank's own terms are in `self` (device memory).
   __shared__ const char* term[64];
   __shared__ float w[32];
   __shared__ int count;
@@ -321,7 +346,7 @@ __global__ void __launch_bounds__(kThreads)
         const unsigned mask = __ballot_sync(kFullMask, valid);
         if (valid) {
           const int at = __popc(mask & ((1u << k) - 1));
-          term[at] = comb + (size_t(t) * K + k) * H * 2;
+          term[at] = (dest == d.rank ? own : comb) + (size_t(t) * K + k) * H * 2;
           w[at] = topk_weights[t * K + k];
         }
         if (k == 0) count = __popc(mask);
@@ -332,7 +357,8 @@ __global__ void __launch_bounds__(kThreads)
         if (k == 0) {
           int n = 0;
           for_each_rank(ranks, [&](int p) {
-            term[n++] = comb + (size_t(p) * T + t) * H * partial_bytes(d);
+            term[n++] = p == d.rank ? own + size_t(t) * H * partial_bytes(d)
+                                    : comb + (size_t(p) * T + t) * H * partial_bytes(d);
           });
           count = n;
         }

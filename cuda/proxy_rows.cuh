@@ -39,12 +39,34 @@ struct ProxyScratch {
   unsigned int blocks_done;
 };
 
+// Device memory for the rows a rank sends to itself, which never need to cross PCIe: its own
+// tokens' rows (dispatch) and the combine terms it holds for its own tokens. Layout:
+//   tokens   [T] token_bytes each, as the host buffer's recv_tokens[me]
+//   combine  expert mode: part [T][H] in the partial dtype, as part[me] of the host buffer;
+//            source mode: comb [T][K][H] bf16 (only the slots this rank holds are written)
+// At R = 2 these are half the bytes the rows kernels moved through mapped host memory.
+struct SelfLayout {
+  size_t tokens;
+  size_t combine;
+  size_t total;
+};
+
+JAX_MOE_HD inline SelfLayout self_layout(const MoeDims& d) {
+  const size_t T = d.max_tokens, K = d.topk, H = d.hidden;
+  SelfLayout s;
+  s.tokens = 0;
+  s.combine = align_up(T * token_bytes(d), 256);
+  s.total = s.combine + (d.reduce_expert ? T * H * partial_bytes(d) : T * K * H * 2);
+  return s;
+}
+
 // Every address the kernels use, fixed for the proxy's life (command buffers replay them).
 struct ProxyRowsView {
   MoeDims dims;
   char* const* peers;        // device [R]: every rank's host buffer, or this rank's staging
                              // copy of it (remote ranks), as the device maps it
   char* buffer;              // this rank's host buffer, mapped
+  char* self;                // device [self_layout(dims).total]: rows for this rank itself
   ProxyControl* control;     // mapped: the kernels' words for the CPU
   const ProxyControl* control_copy;  // device: the CPU's words (go, token_count, zero_count)
   ProxyScratch* scratch;     // device
@@ -60,8 +82,9 @@ struct ProxyRowsView {
 
 // Send half of dispatch (after the proxy waited for the acknowledgements): send_dest [T, K],
 // this rank's token count, routes and weights into every peer's view, and each routed token's
-// row (fp8-quantized when `input` asks) into token_slot(peer, rank, t) of every rank holding
-// one of its slots, once per rank. Arguments as launch_dispatch's.
+// row (fp8-quantized when `input` asks) into token_slot(peer, rank, t) of every other rank
+// holding one of its slots, once per rank, and into `self` when this rank holds one.
+// Arguments as launch_dispatch's.
 cudaError_t launch_proxy_dispatch_send(const ProxyRowsView& v, TokenInput input, const void* x,
                                        const float* x_scales, const int32_t* topk_ids,
                                        const float* topk_weights, const int32_t* num_tokens,

@@ -126,7 +126,10 @@ CudaProxy::CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool st
                "cudaMemcpy(scratch)");
     check_cuda(cudaMalloc(reinterpret_cast<void**>(&peers_device_), sizeof(char*) * dims.world),
                "cudaMalloc(peers)");
+    check_cuda(cudaMalloc(reinterpret_cast<void**>(&self_), self_layout(dims).total),
+               "cudaMalloc(self rows)");
   } catch (...) {
+    cudaFree(self_);
     cudaFree(peers_device_);
     cudaFree(scratch_);
     cudaFree(control_copy_);
@@ -142,6 +145,7 @@ CudaProxy::~CudaProxy() {
   // The caller synchronized the device (ffi/cuda/state.cc), so no kernel uses the mappings;
   // the host memory itself is freed later, with the host rank state.
   for (void* memory : registered_) cudaHostUnregister(memory);
+  cudaFree(self_);
   cudaFree(peers_device_);
   cudaFree(scratch_);
   cudaFree(control_copy_);
@@ -216,6 +220,7 @@ ProxyRowsView CudaProxy::rows_view(const CommView& v) const {
   r.dims = dims_;
   r.peers = peers_device_;
   r.buffer = buffer_device_;
+  r.self = self_;
   r.control = device_area<ProxyControl>(areas_.control);
   r.control_copy = control_copy_;
   r.scratch = scratch_;

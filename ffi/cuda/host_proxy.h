@@ -121,6 +121,7 @@ class CudaProxy {
   ProxyControl* control_copy_ = nullptr;     // device memory: *control_ after a first phase
   ProxyScratch* scratch_ = nullptr;          // device memory
   char** peers_device_ = nullptr;            // device [R]: the host state's peers, mapped
+  char* self_ = nullptr;                     // device [self_layout]: the rank's rows to itself
   char* buffer_device_ = nullptr;            // the host state's buffer, mapped
   std::vector<void*> registered_;            // host memory this proxy registered
   bool phase_ok_ = false;                    // the last first phase succeeded (proxy thread)
