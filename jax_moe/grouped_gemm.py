@@ -184,25 +184,34 @@ def _check_arguments(lhs, rhs, group_sizes, preferred_element_type, implementati
                       f"a dtype") from e
 
 
-def _tokamax_blocker(lhs, rhs, precision, preferred_element_type, device) -> str | None:
-  """Why the tokamax kernel (rhs an array) or its sm90 quantized kernel (rhs a
-  BlockFp8Weights) does not apply to this call (None when it does)."""
-  available, reason = tokamax_status()
+def _hopper_kernel_blocker(status, device, precision, preferred_element_type) -> str | None:
+  """What keeps a Hopper kernel off this call apart from its operands: the kernel's library
+  (`status()`: (available, reason)), the device, the precision and the output dtype."""
+  available, reason = status()
   if not available:
     return reason
   if not _is_hopper(device):
     return (f"the default device is {device.device_kind} ({device.platform}), not a Hopper "
             "GPU (compute capability 9.x)")
-  fp8 = isinstance(rhs, BlockFp8Weights)
-  if fp8 and jnp.dtype(lhs.dtype) not in _TOKAMAX_INPUT_DTYPES:
-    return f"lhs {lhs.dtype} is not bf16 or f16 (the kernel takes x as f16)"
-  if not fp8 and (lhs.dtype != rhs.dtype or jnp.dtype(lhs.dtype) not in _TOKAMAX_INPUT_DTYPES):
-    return f"lhs {lhs.dtype} and rhs {rhs.dtype} are not both bf16 or both f16"
   if (preferred_element_type is not None
       and jnp.dtype(preferred_element_type) not in _TOKAMAX_OUTPUT_DTYPES):
     return f"preferred_element_type {jnp.dtype(preferred_element_type)} is not bf16/f16/f32"
   if not _is_default_precision(precision):
     return f"precision {precision!r} is not DEFAULT"
+  return None
+
+
+def _tokamax_blocker(lhs, rhs, precision, preferred_element_type, device) -> str | None:
+  """Why the tokamax kernel (rhs an array) or its sm90 quantized kernel (rhs a
+  BlockFp8Weights) does not apply to this call (None when it does)."""
+  blocker = _hopper_kernel_blocker(tokamax_status, device, precision, preferred_element_type)
+  if blocker is not None:
+    return blocker
+  fp8 = isinstance(rhs, BlockFp8Weights)
+  if fp8 and jnp.dtype(lhs.dtype) not in _TOKAMAX_INPUT_DTYPES:
+    return f"lhs {lhs.dtype} is not bf16 or f16 (the kernel takes x as f16)"
+  if not fp8 and (lhs.dtype != rhs.dtype or jnp.dtype(lhs.dtype) not in _TOKAMAX_INPUT_DTYPES):
+    return f"lhs {lhs.dtype} and rhs {rhs.dtype} are not both bf16 or both f16"
   k, n = rhs.shape[1], rhs.shape[2]
   if fp8 and (rhs.block[1] % 128 or k % rhs.block[1]):
     return f"the K block {rhs.block[1]} is not a multiple of 128 dividing K={k} (kernel K steps)"
@@ -583,22 +592,14 @@ def _cutlass_blocker(lhs, rhs, precision, preferred_element_type, device) -> str
   """Why the CUTLASS fp8 x fp8 kernel does not apply to this call (None when it does)."""
   if not isinstance(rhs, BlockFp8Weights):
     return "rhs is not a BlockFp8Weights (the CUTLASS kernel multiplies fp8 by fp8)"
-  available, reason = cutlass_status()
-  if not available:
-    return reason
-  if not _is_hopper(device):
-    return (f"the default device is {device.device_kind} ({device.platform}), not a Hopper "
-            "GPU (compute capability 9.x)")
+  blocker = _hopper_kernel_blocker(cutlass_status, device, precision, preferred_element_type)
+  if blocker is not None:
+    return blocker
   if rhs.block != (CUTLASS_BLOCK, CUTLASS_BLOCK):
     return f"the weight block is {rhs.block}, not (128, 128)"
   k, n = rhs.shape[1], rhs.shape[2]
   if k % CUTLASS_BLOCK or n % CUTLASS_BLOCK:
     return f"K={k} and N={n} are not both multiples of 128"
-  if (preferred_element_type is not None
-      and jnp.dtype(preferred_element_type) not in _TOKAMAX_OUTPUT_DTYPES):
-    return f"preferred_element_type {jnp.dtype(preferred_element_type)} is not bf16/f16/f32"
-  if not _is_default_precision(precision):
-    return f"precision {precision!r} is not DEFAULT"
   return None
 
 

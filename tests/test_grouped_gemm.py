@@ -554,13 +554,17 @@ def _assert_fp8_close(got, want, x, w8, sizes, out_dtype):
 
 
 # ----------------------------------------------------------------------------------- GPU
-def _needs_tokamax():
-    available, reason = gg.tokamax_status()
+def _needs_hopper_and(status):
+    available, reason = status()
     if not available:
         pytest.skip(reason)
     device = jax.devices()[0]
     if not gg._is_hopper(device):
         pytest.skip(f"{device.device_kind} is not a Hopper GPU")
+
+
+def _needs_tokamax():
+    _needs_hopper_and(gg.tokamax_status)
 
 
 def _assert_close(got, want, x, w, sizes, out_dtype):
@@ -666,12 +670,7 @@ def test_gpu_every_fp8_config_matches(rng, config_name):
 
 
 def _needs_cutlass():
-    available, reason = gg.cutlass_status()
-    if not available:
-        pytest.skip(reason)
-    device = jax.devices()[0]
-    if not gg._is_hopper(device):
-        pytest.skip(f"{device.device_kind} is not a Hopper GPU")
+    _needs_hopper_and(gg.cutlass_status)
 
 
 def _w8a8_reference(q, scales, w8, sizes):
