@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Fills .whl/ (git-ignored) with the wheels the lent GPU machines lack (they reach no package
 # index): scikit-build-core for the build, tokamax and what it imports for the experts'
-# grouped GEMM, nvidia-cutlass for CUTLASS's headers (cuda/cutlass/fetch_headers.sh). Python 3.12 and the manylinux tags that image accepts; pip matches each tag
-# exactly (xprof 2.24.2 exists for manylinux_2_27 only), so every one is named.
+# grouped GEMM, nvidia-cutlass for CUTLASS's headers (cuda/cutlass/fetch_headers.sh). Python
+# 3.12 and the manylinux tags that image accepts; pip matches each tag exactly (xprof 2.24.2
+# exists for manylinux_2_27 only), so every one is named.
 #   benchmarks/fetch_wheels.sh [DIR]   (default .whl)
 set -euo pipefail
 dir=${1:-.whl}

@@ -12,7 +12,8 @@ build_jax_moe() {
       --target "$backend_path" "$wheel" > "$log" 2>&1 || return 1
   fi
   # CUTLASS's headers for the fp8 grouped GEMM, from the nvidia-cutlass wheel the run carries
-  if [ ! -f .cutlass/include/cutlass/version.h ] && compgen -G ".whl/nvidia_cutlass-*.whl" >/dev/null; then
+  if [ ! -f .cutlass/include/cutlass/version.h ] \
+      && compgen -G ".whl/nvidia_cutlass-*.whl" >/dev/null; then
     bash cuda/cutlass/fetch_headers.sh >> "$log" 2>&1 || return 1
   fi
   { python3 -m pip show scikit-build-core 2>/dev/null | grep -i '^version' | sed 's/^/system scikit-build-core /'

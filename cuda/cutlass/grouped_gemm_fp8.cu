@@ -50,7 +50,8 @@ prepare_kernel(GroupedGemmFp8Args a, Workspace w) {
     int32_t before, chunk;
     PrepScan(scan).ExclusiveSum(size, before, chunk);
     // sizes are int32 and so is M: clamp before adding so a huge size cannot wrap
-    if (g < g_count) starts[g] = static_cast<int32_t>(cute::min(int64_t{running} + before, int64_t{m}));
+    if (g < g_count)
+      starts[g] = static_cast<int32_t>(cute::min(int64_t{running} + before, int64_t{m}));
     running = static_cast<int32_t>(cute::min(int64_t{running} + chunk, int64_t{m}));
     __syncthreads();  // `scan` is reused by the next chunk
   }
@@ -104,7 +105,8 @@ prepare_kernel(GroupedGemmFp8Args a, Workspace w) {
 
 }  // namespace
 
-Workspace carve(char* base, int64_t groups, int64_t m, int64_t n, int64_t k, size_t cutlass_bytes) {
+Workspace carve(char* base, int64_t groups, int64_t m, int64_t n, int64_t k,
+                size_t cutlass_bytes) {
   Workspace w{};
   size_t at = 0;
   auto take = [&](auto*& ptr, size_t count) {

@@ -1,4 +1,5 @@
-// One tile config of the fp8 grouped GEMM (cuda/cutlass/grouped_gemm_fp8.cuh): two consumer warpgroups share each 128 x 128 tile.
+// One tile config of the fp8 grouped GEMM (cuda/cutlass/grouped_gemm_fp8.cuh): two consumer
+// warpgroups share each 128 x 128 tile.
 #include "cuda/cutlass/grouped_gemm_fp8.cuh"
 
 namespace jax_moe::fp8gemm {

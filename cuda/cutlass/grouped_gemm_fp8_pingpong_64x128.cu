@@ -1,5 +1,5 @@
-// One tile config of the fp8 grouped GEMM (cuda/cutlass/grouped_gemm_fp8.cuh): two consumer warpgroups take alternate 64 x 128 tiles, one's epilogue
-// overlapping the other's mainloop.
+// One tile config of the fp8 grouped GEMM (cuda/cutlass/grouped_gemm_fp8.cuh): two consumer
+// warpgroups take alternate 64 x 128 tiles, one's epilogue overlapping the other's mainloop.
 #include "cuda/cutlass/grouped_gemm_fp8.cuh"
 
 namespace jax_moe::fp8gemm {

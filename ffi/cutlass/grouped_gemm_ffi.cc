@@ -15,7 +15,8 @@ namespace nb = nanobind;
 namespace jax_moe {
 namespace {
 
-const CallSite kSite{"jax_moe_grouped_gemm_fp8", "grouped_gemm.ragged_dot (implementation='cutlass')"};
+const CallSite kSite{"jax_moe_grouped_gemm_fp8",
+                     "grouped_gemm.ragged_dot (implementation='cutlass')"};
 
 ffi::Error invalid(const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(kSite.target) + ": " + what + " (" +
