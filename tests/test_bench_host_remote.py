@@ -136,6 +136,7 @@ def test_bench_host_remote_runs_checks_and_writes_results(tmp_path):
         ("shm", "fp8", "source"), ("shm", "fp8", "expert")]
     for row in rows:
         assert row["correct"]
+        assert row["target_ratio"] == 2.0 and isinstance(row["meets_target"], bool)  # cpu
         assert row["bytes_0to1"] > 0 and row["writes_0to1"] >= 1 + 1 + 1 + 1 + 1
         for value in (*row["backend_us"].values(), *row["raw_us"].values(), row["xla_us"]):
             assert value is not None
