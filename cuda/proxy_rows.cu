@@ -33,13 +33,17 @@ __device__ void block_copy(int n, Load load, Store store) {
   }
 }
 
+// This rank's own token t's row slot, in device memory (SelfLayout).
+__device__ inline char* self_token(const ProxyRowsView& v, int t) {
+  return v.self + self_layout(v.dims).tokens + size_t(t) * token_bytes(v.dims);
+}
+
 // Token t's row slot of source `src` as this rank's receive side reads it: device memory for
 // its own tokens, the host buffer's recv_tokens[src][t] for the others'.
 __device__ inline const char* received_token(const ProxyRowsView& v, const BufferLayout& lay,
                                              int src, int t) {
-  const MoeDims& d = v.dims;
-  if (src == d.rank) return v.self + self_layout(d).tokens + size_t(t) * token_bytes(d);
-  return token_slot(v.buffer, lay, d, src, t);
+  if (src == v.dims.rank) return self_token(v, t);
+  return token_slot(v.buffer, lay, v.dims, src, t);
 }
 
 // Where the combine term of this rank for source `src` lands: part[me][t] (expert mode,
@@ -68,8 +72,7 @@ __device__ void send_row(const ProxyRowsView& v, const BufferLayout& lay, const 
   const MoeDims& d = v.dims;
   const int H = d.hidden, me = d.rank;
   auto slot = [&](int p) {
-    return p == me ? v.self + self_layout(d).tokens + size_t(t) * token_bytes(d)
-                   : token_slot(v.peers[p], lay, d, me, t);
+    return p == me ? self_token(v, t) : token_slot(v.peers[p], lay, d, me, t);
   };
   if constexpr (kInput == kInputBf16) {
     const uint4* row = static_cast<const uint4*>(x) + size_t(t) * H / 8;
