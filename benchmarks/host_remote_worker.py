@@ -184,7 +184,8 @@ def _run(config: dict, process_id: int, folder: Path) -> list[dict]:
 
   # The raw engine: rank = process index, one destination region sized for the largest phase.
   engine = transport.TransferEngine(process_id, provider=settings.host_provider(),
-                                    node=settings.host_node() or None)
+                                    node=settings.host_node() or None,
+                                    domains=settings.host_domains())
   peer_card = meeting.exchange("card", engine.address, process_id, peer)
   engine.add_peer(peer_card)
 

@@ -78,6 +78,17 @@ def host_node() -> str:
   return os.environ.get("JAX_MOE_HOST_NODE", "")
 
 
+def host_domains() -> list[str]:
+  """JAX_MOE_HOST_DOMAINS: comma-separated libfabric domain names (NICs) the host backend's and
+  the cuda proxies' endpoints use, one rail each, peers sharded across them ("rdmap79s0,
+  rdmap80s0"); unset or empty: one rail on the provider's first domain."""
+  text = os.environ.get("JAX_MOE_HOST_DOMAINS", "")
+  domains = [d.strip() for d in text.split(",")] if text.strip() else []
+  if not all(domains):
+    raise ValueError(f"JAX_MOE_HOST_DOMAINS must be comma-separated domain names, got {text!r}")
+  return domains
+
+
 def host_shuffle_seed() -> int:
   """JAX_MOE_HOST_SHUFFLE_SEED: non-zero applies completions late and in random order (tests)."""
   text = os.environ.get("JAX_MOE_HOST_SHUFFLE_SEED", "0")

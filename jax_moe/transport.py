@@ -1,7 +1,7 @@
 """TransferEngine: RMA writes with 32-bit immediates between processes over libfabric.
 
-A thin wrapper of ``jax_moe._native.TransferEngine`` (ffi/transport/). One engine owns one
-RDM endpoint and a progress thread. Peers exchange ``engine.address`` and
+A thin wrapper of ``jax_moe._native.TransferEngine`` (ffi/transport/). One engine owns an
+RDM endpoint per rail (NIC; `domains`) and a progress thread. Peers exchange ``engine.address`` and
 ``region.descriptor`` as bytes by any channel, then:
 
   group = engine.create_group([(peer_rank, peer_region_descriptor), ...])
@@ -67,19 +67,28 @@ class TransferEngine:
     shuffle_seed: nonzero turns on the test mode that permutes posting order and applies
       completions late and in random order; results must not change.
     cuda_memory: ask the provider for FI_HMEM (CUDA buffers); builds with CUDA only.
+    domains: the NICs to use, one endpoint (rail) each, as libfabric domain names (`fi_info -p
+      efa` lists them; a name may repeat); peers are sharded across them, peer p on rail
+      (rank + p) % rails. None or empty: one rail on the provider's first domain.
   """
 
   def __init__(self, rank: int, provider: str | None = None, node: str | None = None,
-               timeout_s: float | None = None, shuffle_seed: int = 0, cuda_memory: bool = False):
+               timeout_s: float | None = None, shuffle_seed: int = 0, cuda_memory: bool = False,
+               domains: Sequence[str] | None = None):
     module = _native()
     if not 0 <= rank < module.transport_max_ranks:
       raise ValueError(f"rank must be in [0, {module.transport_max_ranks}), got {rank}")
+    domains = list(domains or ())
+    if len(domains) > module.transport_max_rails or not all(
+        isinstance(d, str) and d for d in domains):
+      raise ValueError(f"domains must be at most {module.transport_max_rails} non-empty domain "
+                       f"names, got {domains!r}")
     if provider is None:
       provider = os.environ.get("FI_PROVIDER", "")
     self.rank = rank
     self.timeout_s = default_timeout_s() if timeout_s is None else _checked_timeout(timeout_s)
     self._engine = module.TransferEngine(rank, provider, node or "", self.timeout_s,
-                                         int(shuffle_seed), bool(cuda_memory))
+                                         int(shuffle_seed), bool(cuda_memory), domains)
     self.address: bytes = self._engine.address()
     self.facts: dict = self._engine.facts()
     self._regions: dict[int, MemoryRegion] = {}
@@ -143,6 +152,10 @@ class TransferEngine:
   def open_regions(self) -> int:
     """Registrations held, the engine's internal signal region included; 0 once closed."""
     return self._engine.open_regions()
+
+  def rail_writes(self) -> list[int]:
+    """Writes posted on each rail so far (barrier and empty-slice writes included)."""
+    return list(self._engine.rail_writes())
 
   def close(self) -> None:
     """Joins the progress thread and closes regions, endpoint and fabric. Idempotent."""

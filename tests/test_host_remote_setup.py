@@ -40,14 +40,14 @@ def test_remote_ranks_must_be_other_ranks(rank0):
     module, comm_id = rank0
     for bad in ([0], [2], [1, 1]):
         with pytest.raises(module.TransportError, match=r"is not another rank in \[0, 2\)"):
-            module.host_open_remote(comm_id, 0, bad, "shm", "", 0)
-    module.host_open_remote(comm_id, 0, [1], "shm", "", 0)  # nothing was left behind
+            module.host_open_remote(comm_id, 0, bad, "shm", "", [], 0)
+    module.host_open_remote(comm_id, 0, [1], "shm", "", [], 0)  # nothing was left behind
 
 
 def test_unknown_provider_is_named(rank0):
     module, comm_id = rank0
     with pytest.raises(module.TransportError, match="no-such-provider"):
-        module.host_open_remote(comm_id, 0, [1], "no-such-provider", "", 0)
+        module.host_open_remote(comm_id, 0, [1], "no-such-provider", "", [], 0)
 
 
 def test_connect_order_is_enforced(rank0):
@@ -55,9 +55,9 @@ def test_connect_order_is_enforced(rank0):
     # -1 marks a remote rank, and rank 1 is none before host_open_remote.
     with pytest.raises(ValueError, match="rank 1 has ordinal -1, but it is not a remote rank"):
         module.host_connect_rank(comm_id, 0, [0, -1])
-    card, descriptor = module.host_open_remote(comm_id, 0, [1], "shm", "", 0)
+    card, descriptor = module.host_open_remote(comm_id, 0, [1], "shm", "", [], 0)
     with pytest.raises(ValueError, match="already has its peers"):
-        module.host_open_remote(comm_id, 0, [1], "shm", "", 0)
+        module.host_open_remote(comm_id, 0, [1], "shm", "", [], 0)
     with pytest.raises(ValueError, match="remote ranks not connected yet"):
         module.host_connect_rank(comm_id, 0, [0, -1])
     with pytest.raises(module.TransportError, match="rank 0 is not a remote rank"):
@@ -69,6 +69,6 @@ def test_connect_order_is_enforced(rank0):
 def test_remote_setup_needs_a_rank_state_with_remote_peers(rank0):
     module, comm_id = rank0
     with pytest.raises(ValueError, match="no rank state"):
-        module.host_open_remote(next(_comm_ids), 0, [1], "shm", "", 0)
+        module.host_open_remote(next(_comm_ids), 0, [1], "shm", "", [], 0)
     with pytest.raises(ValueError, match="no remote peers opened"):
         module.host_connect_remote(comm_id, 0, 1, b"", b"")

@@ -28,7 +28,9 @@ PIPE_TIMEOUT_S = 40.0
 class Job:
     """`world` spawned workers running one scenario; the parent relays the address cards."""
 
-    def __init__(self, scenario, world, provider, shuffle_seed=0, seed=0, rounds=1, timeout_s=5.0):
+    def __init__(self, scenario, world, provider, shuffle_seed=0, seed=0, rounds=1, timeout_s=5.0,
+                 domains=None):
+        """`domains`: each rank's list of domain names (rails), or None for one rail each."""
         ctx = mp.get_context("spawn")
         self.pipes, self.procs = [], []
         for rank in range(world):
@@ -36,7 +38,7 @@ class Job:
             proc = ctx.Process(
                 target=worker.main, daemon=True,
                 args=(scenario, rank, world, child, provider, PROVIDERS[provider], shuffle_seed,
-                      seed, rounds, timeout_s))
+                      seed, rounds, timeout_s, domains[rank] if domains else ()))
             proc.start()
             self.pipes.append(parent)
             self.procs.append(proc)
@@ -73,12 +75,14 @@ def run_job(scenario, world, provider, **kwargs):
     return results
 
 
-def check_scatter(snapshots_by_rank, seed, world, rounds):
-    for rank, snapshots in enumerate(snapshots_by_rank):
+def check_scatter(results, seed, world, rounds):
+    """Every rank's snapshots against the numpy reference; returns each rank's rail_writes."""
+    for rank, (snapshots, _) in enumerate(results):
         assert len(snapshots) == rounds
         for r, got in enumerate(snapshots):
             expected = worker.expected_destination(seed, r, rank, world)
             np.testing.assert_array_equal(got, expected, err_msg=f"rank {rank}, round {r}")
+    return [rail_writes for _, rail_writes in results]
 
 
 @pytest.mark.parametrize("provider,world", [("shm", 2), ("shm", 4), ("tcp;ofi_rxm", 2),
@@ -95,9 +99,33 @@ def test_shuffled_completions_give_the_same_result(provider):
     plain = run_job("scatter", 3, provider, seed=seed, rounds=3)
     shuffled = run_job("scatter", 3, provider, seed=seed, rounds=3, shuffle_seed=seed | 1)
     check_scatter(shuffled, seed, 3, rounds=3)
-    for a, b in zip(plain, shuffled):
+    for (a, _), (b, _) in zip(plain, shuffled):
         for x, y in zip(a, b):
             np.testing.assert_array_equal(x, y)
+
+
+def loopback_domain(provider):
+    """The domain a provider opens on loopback here ("shm"; "lo" for tcp on 127.0.0.1)."""
+    with engine(provider=provider) as probe:
+        return probe.facts["domains"][0]
+
+
+@pytest.mark.parametrize("provider", list(PROVIDERS))
+def test_peers_are_sharded_across_rails(provider):
+    """Ranks with 2, 1 and 3 rails (endpoints on one loopback domain, standing in for NICs):
+    every byte lands as with one rail, and rank r posts to peer p on its rail (r + p) % rails,
+    into the peer's rail (r + p) % its rails (the keys of that rail)."""
+    world, rounds, rails = 3, 3, [2, 1, 3]
+    domain = loopback_domain(provider)
+    seed = int.from_bytes(os.urandom(4), "little")
+    results = run_job("scatter", world, provider, seed=seed, rounds=rounds,
+                      domains=[[domain] * n for n in rails])
+    rail_writes = check_scatter(results, seed, world, rounds)
+    for rank, writes in enumerate(rail_writes):
+        expected = [0] * rails[rank]
+        for peer in range(world):  # a round is one scatter write and one barrier write
+            expected[(rank + peer) % rails[rank]] += 2 * rounds
+        assert writes == expected, f"rank {rank}"
 
 
 @pytest.mark.parametrize("provider", list(PROVIDERS))
@@ -246,7 +274,7 @@ def test_altered_misattributed_or_stale_descriptors_are_rejected():
         e.add_peer(peer.address)
         descriptor = peer.register(np.zeros(64, np.uint8)).descriptor
         corrupted = bytearray(descriptor)
-        corrupted[14] ^= 1  # one bit of the key
+        corrupted[36] ^= 1  # one bit of the key (wire.h: keys from byte 34)
         with pytest.raises(transport.TransportError, match="fails its checksum"):
             e.create_group([(1, bytes(corrupted))])
         e.add_peer(e.address)
@@ -283,6 +311,46 @@ def test_scatter_arguments_are_checked():
                 engine(cuda_memory=True)
         with pytest.raises(transport.TransportError, match="no provider-x"):
             transport.TransferEngine(0, provider="no provider-x", timeout_s=1.0)
+        unknown = r"no domain 'no-nic-x' \(domains\[1\]\).*offers 'shm'"
+        with pytest.raises(transport.TransportError, match=unknown):
+            engine(domains=["shm", "no-nic-x"])
+        with pytest.raises(ValueError, match="at most 16 non-empty domain names"):
+            engine(domains=["shm"] * 17)
+        with pytest.raises(ValueError, match="non-empty domain names"):
+            engine(domains=["shm", ""])
+
+
+def test_rails_in_one_engine():
+    """Two rails of one engine to itself: the self peer is on rail (0 + 0) % 2 = 0, a rank-1
+    engine with three rails is reached on rail 1 and writes back on its rail 1; descriptors and
+    cards carry every rail's key and name, and a card's rails must match its descriptors."""
+    with engine(domains=["shm", "shm"]) as e, engine(rank=1, domains=["shm"] * 3) as peer:
+        assert e.facts["domains"] == ["shm", "shm"] and len(peer.facts["domains"]) == 3
+        e.add_peer(e.address)
+        e.add_peer(peer.address)
+        peer.add_peer(e.address)
+        dest = e.register(np.zeros(64, np.uint8))
+        peer_dest = peer.register(np.zeros(64, np.uint8))
+        src = e.register(np.arange(64, dtype=np.uint8))
+        to_self = e.create_group([(0, dest.descriptor)])
+        to_peer = e.create_group([(1, peer_dest.descriptor)])
+        e.scatter(to_self, src, [0], [8], [0], tag=4)
+        e.scatter(to_peer, src, [8], [8], [8], tag=4)
+        e.wait(4, {0: 1})
+        peer.wait(4, {0: 1})
+        e.flush()
+        np.testing.assert_array_equal(dest.array[:8], np.arange(8))
+        np.testing.assert_array_equal(peer_dest.array[8:16], np.arange(8, 16))
+        assert e.rail_writes() == [1, 1]
+        back = peer.create_group([(0, dest.descriptor)])
+        peer.scatter(back, peer.register(np.full(8, 7, np.uint8)), [0], [8], [16], tag=5)
+        e.wait(5, {1: 1})
+        peer.flush()
+        assert peer.rail_writes() == [0, 1, 0]
+        np.testing.assert_array_equal(dest.array[16:24], np.full(8, 7))
+        with engine(rank=1) as one_rail:  # same rank, other engine: its descriptors are stale
+            with pytest.raises(transport.TransportError, match="is stale"):
+                e.create_group([(1, one_rail.register(np.zeros(8, np.uint8)).descriptor)])
 
 
 def _closed_tcp_peer(e):
@@ -324,3 +392,16 @@ def test_closed_peer_is_an_error_not_a_hang():
             e.flush(timeout_s=1.0)
             e.wait(2, {1: 1}, timeout_s=1.0)
         assert time.monotonic() - start < 1.0 + 5
+
+
+def test_host_domains_setting(monkeypatch):
+    """JAX_MOE_HOST_DOMAINS: the rails of the host backend's and the cuda proxies' engines."""
+    from jax_moe import settings
+
+    for text, domains in (("", []), ("shm", ["shm"]), (" shm, lo ", ["shm", "lo"])):
+        monkeypatch.setenv("JAX_MOE_HOST_DOMAINS", text)
+        assert settings.host_domains() == domains
+    for bad in ("shm,,lo", ",", "shm,"):
+        monkeypatch.setenv("JAX_MOE_HOST_DOMAINS", bad)
+        with pytest.raises(ValueError, match="JAX_MOE_HOST_DOMAINS must be comma-separated"):
+            settings.host_domains()

@@ -46,21 +46,26 @@ def fnv1a(data: bytes) -> int:
     return value
 
 
+KEYS_AT = 34  # ffi/transport/wire.h: magic 4 | addr 8 | size 8 | owner 4 | engine id 8 | rails 2
+
+
 def forge_key(descriptor: bytes) -> bytes:
-    """The descriptor with a wrong key and a recomputed checksum (ffi/transport/wire.h layout:
-    magic 4 | addr 8 | key 8 | size 8 | owner rank 4 | engine id 8 | checksum 8)."""
+    """The descriptor with every rail's key wrong and a recomputed checksum (ffi/transport/
+    wire.h layout: ... | rails u16 | key u64 x rails | checksum 8)."""
     forged = bytearray(descriptor)
-    key = int.from_bytes(forged[12:20], "little") ^ 0x5A5A
-    forged[12:20] = key.to_bytes(8, "little")
-    forged[40:48] = fnv1a(bytes(forged[:40])).to_bytes(8, "little")
+    rails = int.from_bytes(forged[KEYS_AT - 2:KEYS_AT], "little")
+    for at in range(KEYS_AT, KEYS_AT + 8 * rails, 8):
+        key = int.from_bytes(forged[at:at + 8], "little") ^ 0x5A5A
+        forged[at:at + 8] = key.to_bytes(8, "little")
+    forged[-8:] = fnv1a(bytes(forged[:-8])).to_bytes(8, "little")
     return bytes(forged)
 
 
-def _connect(rank, world, conn, provider, node, shuffle_seed, timeout_s):
+def _connect(rank, world, conn, provider, node, shuffle_seed, timeout_s, domains):
     from jax_moe import transport
 
     engine = transport.TransferEngine(rank, provider=provider, node=node, timeout_s=timeout_s,
-                                      shuffle_seed=shuffle_seed)
+                                      shuffle_seed=shuffle_seed, domains=domains)
     dest = engine.register(np.zeros(world * SLOT_BYTES, np.uint8))
     conn.send((engine.address, dest.descriptor))
     cards = conn.recv()  # [(address, descriptor)] in rank order
@@ -70,9 +75,12 @@ def _connect(rank, world, conn, provider, node, shuffle_seed, timeout_s):
     return engine, dest, group
 
 
-def run_scatter(rank, world, conn, provider, node, shuffle_seed, seed, rounds, timeout_s):
-    """Rounds of scatter to every rank (self included), wait, snapshot, zero, barrier."""
-    engine, dest, group = _connect(rank, world, conn, provider, node, shuffle_seed, timeout_s)
+def run_scatter(rank, world, conn, provider, node, shuffle_seed, seed, rounds, timeout_s,
+                domains):
+    """Rounds of scatter to every rank (self included), wait, snapshot, zero, barrier; sends
+    the snapshots and the writes posted on each rail."""
+    engine, dest, group = _connect(rank, world, conn, provider, node, shuffle_seed, timeout_s,
+                                   domains)
     source = engine.register(np.zeros(SOURCE_BYTES, np.uint8))
     snapshots = []
     for r in range(rounds):
@@ -84,14 +92,16 @@ def run_scatter(rank, world, conn, provider, node, shuffle_seed, seed, rounds, t
         dest.array[:] = 0
         engine.flush()
         engine.barrier(group, tag=2 * r + 1)
-    conn.send(snapshots)
+    conn.send((snapshots, engine.rail_writes()))
     engine.close()
 
 
-def run_counters(rank, world, conn, provider, node, shuffle_seed, seed, rounds, timeout_s):
+def run_counters(rank, world, conn, provider, node, shuffle_seed, seed, rounds, timeout_s,
+                domains):
     """Every rank sends `rank + 1` scatters of one tag to every rank; each waits for exactly
     those counts, and reports what is left unconsumed (must be nothing)."""
-    engine, dest, group = _connect(rank, world, conn, provider, node, shuffle_seed, timeout_s)
+    engine, dest, group = _connect(rank, world, conn, provider, node, shuffle_seed, timeout_s,
+                                   domains)
     source = engine.register(np.arange(world * 8, dtype=np.uint8))
     tag = 5
     for _ in range(rank + 1):
@@ -105,9 +115,11 @@ def run_counters(rank, world, conn, provider, node, shuffle_seed, seed, rounds, 
     engine.close()
 
 
-def run_stall(rank, world, conn, provider, node, shuffle_seed, seed, rounds, timeout_s):
+def run_stall(rank, world, conn, provider, node, shuffle_seed, seed, rounds, timeout_s,
+                domains):
     """Rank world-1 never sends; the others must time out naming it, within the bound."""
-    engine, _, group = _connect(rank, world, conn, provider, node, shuffle_seed, timeout_s)
+    engine, _, group = _connect(rank, world, conn, provider, node, shuffle_seed, timeout_s,
+                                   domains)
     if rank == world - 1:
         conn.recv()  # released by the parent once the others reported
         engine.close()
@@ -115,10 +127,12 @@ def run_stall(rank, world, conn, provider, node, shuffle_seed, seed, rounds, tim
     _report_barrier(engine, group, conn)
 
 
-def run_killed(rank, world, conn, provider, node, shuffle_seed, seed, rounds, timeout_s):
+def run_killed(rank, world, conn, provider, node, shuffle_seed, seed, rounds, timeout_s,
+                domains):
     """Rank world-1 is killed (SIGKILL) after one good round; the others, in their next
     barrier, must time out naming it and close cleanly."""
-    engine, _, group = _connect(rank, world, conn, provider, node, shuffle_seed, timeout_s)
+    engine, _, group = _connect(rank, world, conn, provider, node, shuffle_seed, timeout_s,
+                                   domains)
     engine.barrier(group, tag=1)
     if rank == world - 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -136,10 +150,12 @@ def _report_barrier(engine, group, conn, tag=1):
     engine.close()
 
 
-def run_bad_key(rank, world, conn, provider, node, shuffle_seed, seed, rounds, timeout_s):
+def run_bad_key(rank, world, conn, provider, node, shuffle_seed, seed, rounds, timeout_s,
+                domains):
     """Rank 0 writes to rank 1 with a wrong key (checksum forged, so create_group accepts it);
     the provider drops the write, and rank 0's wait must fail naming rank 1, not hang."""
-    engine, dest, _ = _connect(rank, world, conn, provider, node, shuffle_seed, timeout_s)
+    engine, dest, _ = _connect(rank, world, conn, provider, node, shuffle_seed, timeout_s,
+                                   domains)
     if rank == 1:
         conn.recv()  # stays alive until rank 0 reported
         try:  # the receiver may have seen the rejected write as an error completion
@@ -166,9 +182,11 @@ SCENARIOS = {"scatter": run_scatter, "counters": run_counters, "stall": run_stal
              "killed": run_killed, "bad_key": run_bad_key}
 
 
-def main(scenario, rank, world, conn, provider, node, shuffle_seed, seed, rounds, timeout_s):
+def main(scenario, rank, world, conn, provider, node, shuffle_seed, seed, rounds, timeout_s,
+         domains=()):
     try:
-        SCENARIOS[scenario](rank, world, conn, provider, node, shuffle_seed, seed, rounds, timeout_s)
+        SCENARIOS[scenario](rank, world, conn, provider, node, shuffle_seed, seed, rounds,
+                            timeout_s, domains)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
         conn.send(("worker error", f"rank {rank}: {type(e).__name__}: {e}"))
         raise

@@ -45,7 +45,8 @@ void bind_host_fabric(nb::module_& m) {
   m.def(
       "host_open_remote",
       [](int64_t comm_id, int ordinal, const std::vector<int>& remote_ranks,
-         const std::string& provider, const std::string& node, uint64_t shuffle_seed) {
+         const std::string& provider, const std::string& node,
+         const std::vector<std::string>& domains, uint64_t shuffle_seed) {
         host::HostRankState& s = rank_state(comm_id, ordinal);
         if (s.remote != nullptr || s.connected) {
           throw std::invalid_argument("jax_moe host backend: rank " +
@@ -56,6 +57,7 @@ void bind_host_fabric(nb::module_& m) {
         config.rank = uint32_t(s.dims.rank);
         config.provider = provider;
         config.node = node;
+        config.domains = domains;
         config.timeout_s = s.timeout_s;
         config.shuffle_seed = shuffle_seed;
         auto peers = std::make_unique<host::FabricPeers>(
@@ -66,7 +68,7 @@ void bind_host_fabric(nb::module_& m) {
         return card;
       },
       nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("remote_ranks"), nb::arg("provider"),
-      nb::arg("node"), nb::arg("shuffle_seed"),
+      nb::arg("node"), nb::arg("domains"), nb::arg("shuffle_seed"),
       "Opens the TransferEngine of a host rank whose communicator has ranks in other "
       "processes (`remote_ranks`); returns (address card, buffer descriptor) for them.");
   m.def(

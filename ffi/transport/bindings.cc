@@ -48,19 +48,21 @@ void bind_transport(nb::module_& m) {
   nb::exception<transport::TransportError>(m, "TransportError", PyExc_RuntimeError);
   m.attr("transport_max_ranks") = transport::kMaxRanks;
   m.attr("transport_max_tag") = transport::kMaxTag;
+  m.attr("transport_max_rails") = transport::kMaxRails;
 
   using release_gil = nb::call_guard<nb::gil_scoped_release>;
   nb::class_<TransferEngine>(m, "TransferEngine")
       .def(
           "__init__",
           [](TransferEngine* self, uint32_t rank, const std::string& provider,
-             const std::string& node, double timeout_s, uint64_t shuffle_seed, bool cuda_memory) {
+             const std::string& node, double timeout_s, uint64_t shuffle_seed, bool cuda_memory,
+             const std::vector<std::string>& domains) {
             // Aggregate order: the fields of transport::Config as declared.
-            new (self) TransferEngine(
-                transport::Config{rank, provider, node, timeout_s, shuffle_seed, cuda_memory});
+            new (self) TransferEngine(transport::Config{rank, provider, node, timeout_s,
+                                                        shuffle_seed, cuda_memory, domains});
           },
           nb::arg("rank"), nb::arg("provider"), nb::arg("node"), nb::arg("timeout_s"),
-          nb::arg("shuffle_seed"), nb::arg("cuda_memory"))
+          nb::arg("shuffle_seed"), nb::arg("cuda_memory"), nb::arg("domains"))
       .def("address", [](const TransferEngine& e) { return as_bytes(e.address()); })
       .def("facts",
            [](const TransferEngine& e) {
@@ -68,7 +70,7 @@ void bind_transport(nb::module_& m) {
              nb::dict d;
              d["provider"] = f.provider;
              d["fabric"] = f.fabric;
-             d["domain"] = f.domain;
+             d["domains"] = f.domains;
              d["mr_mode"] = f.mr_mode;
              d["max_msg_size"] = f.max_msg_size;
              d["inject_size"] = f.inject_size;
@@ -111,6 +113,7 @@ void bind_transport(nb::module_& m) {
       .def("flush", &TransferEngine::flush, release_gil())
       .def("arrived", &TransferEngine::arrived)
       .def("open_regions", &TransferEngine::open_regions)
+      .def("rail_writes", &TransferEngine::rail_writes)
       .def("close", &TransferEngine::close, release_gil());
 }
 

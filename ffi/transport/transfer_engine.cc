@@ -65,19 +65,22 @@ class WaiterScope {
 }  // namespace
 
 struct TransferEngine::Region {
-  fid_mr* mr = nullptr;
+  std::vector<fid_mr*> mrs;        // [rails]: one registration with each rail's domain
+  std::vector<void*> local_descs;  // [rails] fi_mr_desc, passed with local buffers under
+                                   // FI_MR_LOCAL (else null)
   void* base = nullptr;
   uint64_t size = 0;
-  void* local_desc = nullptr;  // fi_mr_desc, passed with local buffers under FI_MR_LOCAL
-  RegionDescriptor remote;     // what peers need to write here
+  RegionDescriptor remote;  // what peers need to write here
 };
 
-// The template of every write to one member: address, keys and remote bases resolved once.
+// The template of every write to one member: rail, address, keys and remote bases resolved
+// once (the keys are those of the member's rail that receives from this engine).
 struct TransferEngine::Member {
   uint32_t rank = 0;
+  uint32_t rail = 0;
   fi_addr_t addr = FI_ADDR_UNSPEC;
-  RegionDescriptor dest;
-  RegionDescriptor signal;
+  uint64_t dest_addr = 0, dest_key = 0, dest_size = 0;
+  uint64_t signal_addr = 0, signal_key = 0;
 };
 
 struct TransferEngine::Group {
@@ -107,13 +110,20 @@ TransferEngine::TransferEngine(const Config& config) : config_(config) {
     throw TransportError("TransferEngine: timeout_s must be > 0, got " +
                          std::to_string(config_.timeout_s));
   }
+  if (config_.domains.size() > kMaxRails) {
+    throw TransportError("TransferEngine: domains names " + std::to_string(config_.domains.size()) +
+                         " rails; at most " + std::to_string(kMaxRails));
+  }
   shuffle_state_ = config_.shuffle_seed;
   std::random_device entropy;
   engine_id_ = (static_cast<uint64_t>(entropy()) << 32) ^ entropy() ^
                static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+  const std::vector<std::string> domains =
+      config_.domains.empty() ? std::vector<std::string>{""} : config_.domains;
+  rails_.resize(domains.size());
+  rail_writes_.assign(domains.size(), 0);
   try {
-    open_fabric();
-    open_endpoint();
+    for (size_t r = 0; r < domains.size(); ++r) open_rail(r, domains[r]);
     signal_buffer_.assign(kSignalBytes, 0);
     signal_region_ = register_memory(signal_buffer_.data(), signal_buffer_.size());
   } catch (...) {
@@ -131,7 +141,8 @@ TransferEngine::~TransferEngine() {
   }
 }
 
-void TransferEngine::open_fabric() {
+void TransferEngine::open_rail(size_t index, const std::string& domain_name) {
+  Rail& rail = rails_[index];
   fi_info* hints = fi_allocinfo();
   if (hints == nullptr) throw TransportError("fi_allocinfo: out of memory");
   hints->ep_attr->type = FI_EP_RDM;
@@ -150,57 +161,91 @@ void TransferEngine::open_fabric() {
   hints->domain_attr->threading = FI_THREAD_SAFE;
   hints->domain_attr->cq_data_size = sizeof(uint32_t);
   if (!config_.provider.empty()) hints->fabric_attr->prov_name = strdup(config_.provider.c_str());
+  if (!domain_name.empty()) hints->domain_attr->name = strdup(domain_name.c_str());
 
   const char* node = config_.node.empty() ? nullptr : config_.node.c_str();
-  const int ret = fi_getinfo(kApiVersion, node, nullptr, node ? FI_SOURCE : 0, hints, &info_);
+  fi_info* found = nullptr;
+  const int ret = fi_getinfo(kApiVersion, node, nullptr, node ? FI_SOURCE : 0, hints, &found);
   fi_freeinfo(hints);
-  if (ret != 0 || info_ == nullptr) {
-    const std::string provider = config_.provider.empty() ? "any provider" : config_.provider;
+  const std::string provider_text =
+      (config_.provider.empty() ? "any provider" : config_.provider) +
+      (node ? std::string(" on ") + node : std::string());
+  if (ret != 0 || found == nullptr) {
     throw TransportError("fi_getinfo found no RDM endpoint with RMA writes and remote CQ data "
-                         "for " +
-                         provider + (node ? std::string(" on ") + node : std::string()) + ": " +
-                         fi_strerror(-ret) + " (check `fi_info -p <provider>`)");
+                         "for " + provider_text + ": " + fi_strerror(-ret) +
+                         " (check `fi_info -p <provider>`)");
   }
-  facts_.provider = info_->fabric_attr->prov_name ? info_->fabric_attr->prov_name : "";
-  facts_.fabric = info_->fabric_attr->name ? info_->fabric_attr->name : "";
-  facts_.domain = info_->domain_attr->name ? info_->domain_attr->name : "";
-  facts_.mr_mode = info_->domain_attr->mr_mode;
-  facts_.max_msg_size = info_->ep_attr->max_msg_size;
-  facts_.inject_size = info_->tx_attr->inject_size;
-#if JAX_MOE_FABRIC_HMEM
-  facts_.cuda_memory = (info_->caps & FI_HMEM) != 0;
-#endif
-  if (info_->domain_attr->cq_data_size < sizeof(uint32_t)) {
-    throw TransportError("provider " + facts_.provider + " carries only " +
-                         std::to_string(info_->domain_attr->cq_data_size) +
+  // Some providers (shm, tcp in 1.17) ignore the domain hint: pick the entry by name here.
+  std::string offered;
+  for (fi_info* entry = found; entry != nullptr && rail.info == nullptr; entry = entry->next) {
+    const char* name = entry->domain_attr->name ? entry->domain_attr->name : "";
+    if (domain_name.empty() || domain_name == name) rail.info = fi_dupinfo(entry);
+    const std::string quoted = "'" + std::string(name) + "'";
+    if (offered.find(quoted) == std::string::npos) {
+      offered += (offered.empty() ? "" : ", ") + quoted;
+    }
+  }
+  fi_freeinfo(found);
+  if (rail.info == nullptr) {
+    throw TransportError("TransferEngine: no domain '" + domain_name + "' (domains[" +
+                         std::to_string(index) + "]) for " + provider_text + "; it offers " +
+                         offered + " (check `fi_info -p <provider>`)");
+  }
+  const fi_info* info = rail.info;
+  const std::string provider = info->fabric_attr->prov_name ? info->fabric_attr->prov_name : "";
+  const std::string domain = info->domain_attr->name ? info->domain_attr->name : "";
+  if (info->domain_attr->cq_data_size < sizeof(uint32_t)) {
+    throw TransportError("provider " + provider + " carries only " +
+                         std::to_string(info->domain_attr->cq_data_size) +
                          " bytes of remote CQ data; the TransferEngine needs 4");
   }
-}
+#if JAX_MOE_FABRIC_HMEM
+  const bool cuda_memory = (info->caps & FI_HMEM) != 0;
+#else
+  const bool cuda_memory = false;
+#endif
+  if (index == 0) {
+    facts_.provider = provider;
+    facts_.fabric = info->fabric_attr->name ? info->fabric_attr->name : "";
+    facts_.mr_mode = info->domain_attr->mr_mode;
+    facts_.max_msg_size = info->ep_attr->max_msg_size;
+    facts_.inject_size = info->tx_attr->inject_size;
+    facts_.cuda_memory = cuda_memory;
+  } else if (provider != facts_.provider || info->domain_attr->mr_mode != facts_.mr_mode) {
+    // Regions, descriptors and peers follow one provider's rules on every rail.
+    throw TransportError("domains[" + std::to_string(index) + "] ('" + domain + "') opened with "
+                         "provider " + provider + ", but rail 0 uses " + facts_.provider +
+                         " with other registration rules; give domains of one provider");
+  } else {
+    facts_.max_msg_size = std::min<uint64_t>(facts_.max_msg_size, info->ep_attr->max_msg_size);
+    facts_.inject_size = std::min<uint64_t>(facts_.inject_size, info->tx_attr->inject_size);
+    facts_.cuda_memory = facts_.cuda_memory && cuda_memory;
+  }
+  facts_.domains.push_back(domain);
 
-void TransferEngine::open_endpoint() {
-  check_fabric(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric");
-  check_fabric(fi_domain(fabric_, info_, &domain_, nullptr), "fi_domain");
+  check_fabric(fi_fabric(info->fabric_attr, &rail.fabric, nullptr), "fi_fabric");
+  check_fabric(fi_domain(rail.fabric, rail.info, &rail.domain, nullptr), "fi_domain");
 
   fi_cq_attr cq_attr{};
   cq_attr.format = FI_CQ_FORMAT_DATA;  // remote completions carry the immediate
   cq_attr.wait_obj = FI_WAIT_NONE;     // the progress thread polls
-  check_fabric(fi_cq_open(domain_, &cq_attr, &cq_, nullptr), "fi_cq_open");
+  check_fabric(fi_cq_open(rail.domain, &cq_attr, &rail.cq, nullptr), "fi_cq_open");
 
   fi_av_attr av_attr{};
   av_attr.type = FI_AV_TABLE;
-  check_fabric(fi_av_open(domain_, &av_attr, &av_, nullptr), "fi_av_open");
+  check_fabric(fi_av_open(rail.domain, &av_attr, &rail.av, nullptr), "fi_av_open");
 
-  check_fabric(fi_endpoint(domain_, info_, &ep_, nullptr), "fi_endpoint");
-  check_fabric(fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
-  check_fabric(fi_ep_bind(ep_, &av_->fid, 0), "fi_ep_bind(av)");
-  check_fabric(fi_enable(ep_), "fi_enable");
+  check_fabric(fi_endpoint(rail.domain, rail.info, &rail.ep, nullptr), "fi_endpoint");
+  check_fabric(fi_ep_bind(rail.ep, &rail.cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
+  check_fabric(fi_ep_bind(rail.ep, &rail.av->fid, 0), "fi_ep_bind(av)");
+  check_fabric(fi_enable(rail.ep), "fi_enable");
 
   size_t length = 0;
-  const int probe = fi_getname(&ep_->fid, nullptr, &length);
+  const int probe = fi_getname(&rail.ep->fid, nullptr, &length);
   if (probe != -FI_ETOOSMALL && probe != 0) check_fabric(probe, "fi_getname");
-  endpoint_name_.assign(length, '\0');
-  check_fabric(fi_getname(&ep_->fid, endpoint_name_.data(), &length), "fi_getname");
-  endpoint_name_.resize(length);
+  rail.endpoint_name.assign(length, '\0');
+  check_fabric(fi_getname(&rail.ep->fid, rail.endpoint_name.data(), &length), "fi_getname");
+  rail.endpoint_name.resize(length);
 }
 
 std::string TransferEngine::address() const {
@@ -208,7 +253,7 @@ std::string TransferEngine::address() const {
   card.rank = config_.rank;
   card.engine_id = engine_id_;
   card.provider = facts_.provider;
-  card.endpoint_name = endpoint_name_;
+  for (const Rail& rail : rails_) card.endpoint_names.push_back(rail.endpoint_name);
   {
     std::lock_guard<std::mutex> lock(state_mutex_);
     card.signal = region_at(signal_region_).remote;
@@ -228,13 +273,18 @@ void TransferEngine::add_peer(const std::string& card_bytes) {
   if (card.rank >= kMaxRanks) {
     throw TransportError("add_peer: rank " + std::to_string(card.rank) + " is out of range");
   }
+  // The pairing of rails (header): the same sum picks this engine's rail and the peer's.
   Peer peer;
+  peer.rail = uint32_t((config_.rank + card.rank) % rails_.size());
+  peer.remote_rail = uint32_t((config_.rank + card.rank) % card.endpoint_names.size());
   peer.engine_id = card.engine_id;
   peer.signal = card.signal;
-  const int inserted = fi_av_insert(av_, card.endpoint_name.data(), 1, &peer.addr, 0, nullptr);
+  const std::string& name = card.endpoint_names[peer.remote_rail];
+  const int inserted = fi_av_insert(rails_[peer.rail].av, name.data(), 1, &peer.addr, 0, nullptr);
   if (inserted != 1) {
-    throw TransportError("add_peer: the address vector rejected rank " +
-                         std::to_string(card.rank) + "'s endpoint name (" +
+    throw TransportError("add_peer: the address vector of rail " + std::to_string(peer.rail) +
+                         " rejected rank " + std::to_string(card.rank) + "'s endpoint name of " +
+                         "its rail " + std::to_string(peer.remote_rail) + " (" +
                          (inserted < 0 ? fi_strerror(-inserted) : "0 addresses inserted") + ")");
   }
   std::lock_guard<std::mutex> lock(state_mutex_);
@@ -271,20 +321,24 @@ int TransferEngine::register_memory(void* ptr, uint64_t size, int cuda_device) {
   region->size = size;
   {
     std::lock_guard<std::mutex> lock(state_mutex_);
-    attr.requested_key = next_key_++;  // ignored under FI_MR_PROV_KEY
+    attr.requested_key = next_key_++;  // ignored under FI_MR_PROV_KEY; unique per domain
   }
-  check_fabric(fi_mr_regattr(domain_, &attr, 0, &region->mr), "fi_mr_regattr");
-  if (facts_.mr_mode & FI_MR_ENDPOINT) {
-    try {
-      check_fabric(fi_mr_bind(region->mr, &ep_->fid, 0), "fi_mr_bind");
-      check_fabric(fi_mr_enable(region->mr), "fi_mr_enable");
-    } catch (...) {
-      fi_close(&region->mr->fid);
-      throw;
+  try {
+    for (const Rail& rail : rails_) {
+      fid_mr* mr = nullptr;
+      check_fabric(fi_mr_regattr(rail.domain, &attr, 0, &mr), "fi_mr_regattr");
+      region->mrs.push_back(mr);
+      if (facts_.mr_mode & FI_MR_ENDPOINT) {
+        check_fabric(fi_mr_bind(mr, &rail.ep->fid, 0), "fi_mr_bind");
+        check_fabric(fi_mr_enable(mr), "fi_mr_enable");
+      }
+      region->local_descs.push_back((facts_.mr_mode & FI_MR_LOCAL) ? fi_mr_desc(mr) : nullptr);
+      region->remote.keys.push_back(fi_mr_key(mr));
     }
+  } catch (...) {
+    for (fid_mr* mr : region->mrs) fi_close(&mr->fid);
+    throw;
   }
-  region->local_desc = (facts_.mr_mode & FI_MR_LOCAL) ? fi_mr_desc(region->mr) : nullptr;
-  region->remote.key = fi_mr_key(region->mr);
   region->remote.addr =
       (facts_.mr_mode & FI_MR_VIRT_ADDR) ? reinterpret_cast<uint64_t>(ptr) : 0;
   region->remote.size = size;
@@ -314,7 +368,7 @@ void TransferEngine::deregister_memory(int region) {
     taken = std::move(it->second);
     regions_.erase(it);
   }
-  check_fabric(fi_close(&taken->mr->fid), "fi_close(mr)");
+  for (fid_mr* mr : taken->mrs) check_fabric(fi_close(&mr->fid), "fi_close(mr)");
 }
 
 const TransferEngine::Region& TransferEngine::region_at(int region) const {
@@ -346,20 +400,26 @@ int TransferEngine::create_group(const std::vector<std::pair<uint32_t, std::stri
       throw TransportError("create_group: member " + std::to_string(i) + " is rank " +
                            std::to_string(rank) + ", which was never added with add_peer");
     }
-    Member member;
-    member.rank = rank;
-    member.addr = peer->second.addr;
-    member.signal = peer->second.signal;
+    const Peer& p = peer->second;
     const std::string what = "create_group: the descriptor of member " + std::to_string(i) +
                              " (rank " + std::to_string(rank) + ")";
-    member.dest = decode_region(members[i].second, what.c_str());
-    if (member.dest.owner_rank != rank) {
-      throw TransportError(what + " belongs to rank " + std::to_string(member.dest.owner_rank));
+    const RegionDescriptor dest = decode_region(members[i].second, what.c_str());
+    if (dest.owner_rank != rank) {
+      throw TransportError(what + " belongs to rank " + std::to_string(dest.owner_rank));
     }
-    if (member.dest.engine_id != peer->second.engine_id) {
+    if (dest.engine_id != p.engine_id || dest.keys.size() != p.signal.keys.size()) {
       throw TransportError(what + " is stale: it comes from another engine of that rank than "
                            "the address given to add_peer (restarted or closed peer?)");
     }
+    Member member;
+    member.rank = rank;
+    member.rail = p.rail;
+    member.addr = p.addr;
+    member.dest_addr = dest.addr;
+    member.dest_key = dest.keys[p.remote_rail];
+    member.dest_size = dest.size;
+    member.signal_addr = p.signal.addr;
+    member.signal_key = p.signal.keys[p.remote_rail];
     group->members.push_back(member);
   }
   groups_.push_back(std::move(group));
@@ -385,6 +445,7 @@ void TransferEngine::post_write(const Member& member, void* local, uint64_t leng
     context = free_contexts_.back();
     free_contexts_.pop_back();
     ++posted_;
+    ++rail_writes_[member.rail];
   }
   context->peer_rank = member.rank;
   context->immediate = immediate;
@@ -406,7 +467,8 @@ void TransferEngine::post_write(const Member& member, void* local, uint64_t leng
   // FI_EAGAIN: the transmit queue is full until completions are reaped (and, for software
   // providers such as rxm, until someone drives progress): poll the queue and retry, up to
   // the caller's deadline.
-  while ((ret = fi_writemsg(ep_, &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION)) == -FI_EAGAIN &&
+  fid_ep* ep = rails_[member.rail].ep;
+  while ((ret = fi_writemsg(ep, &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION)) == -FI_EAGAIN &&
          Clock::now() < deadline) {
     if (poll_once() == 0) std::this_thread::yield();
   }
@@ -414,6 +476,7 @@ void TransferEngine::post_write(const Member& member, void* local, uint64_t leng
     {
       std::lock_guard<std::mutex> lock(progress_mutex_);
       --posted_;
+      --rail_writes_[member.rail];
       free_contexts_.push_back(context);
     }
     const std::string reason =
@@ -452,11 +515,11 @@ void TransferEngine::scatter(int group_id, int source, const std::vector<Slice>&
                            std::to_string(s.src_offset) + ", +" + std::to_string(s.length) +
                            ") past the source region's " + std::to_string(region->size) + " bytes");
     }
-    if (s.length && (s.dst_offset > m.dest.size || s.length > m.dest.size - s.dst_offset)) {
+    if (s.length && (s.dst_offset > m.dest_size || s.length > m.dest_size - s.dst_offset)) {
       throw TransportError("scatter: slice " + std::to_string(i) + " writes [" +
                            std::to_string(s.dst_offset) + ", +" + std::to_string(s.length) +
                            ") past rank " + std::to_string(m.rank) + "'s destination region of " +
-                           std::to_string(m.dest.size) + " bytes");
+                           std::to_string(m.dest_size) + " bytes");
     }
     if (s.length > facts_.max_msg_size) {
       throw TransportError("scatter: slice " + std::to_string(i) + " has " +
@@ -476,11 +539,12 @@ void TransferEngine::scatter(int group_id, int source, const std::vector<Slice>&
     const Member& m = group->members[i];
     if (s.length == 0) {
       // An empty slice still announces itself: a zero-length write to the signal region.
-      post_write(m, nullptr, 0, nullptr, m.signal.addr, m.signal.key, immediate, deadline,
+      post_write(m, nullptr, 0, nullptr, m.signal_addr, m.signal_key, immediate, deadline,
                  limit);
     } else {
-      post_write(m, static_cast<char*>(region->base) + s.src_offset, s.length, region->local_desc,
-                 m.dest.addr + s.dst_offset, m.dest.key, immediate, deadline, limit);
+      post_write(m, static_cast<char*>(region->base) + s.src_offset, s.length,
+                 region->local_descs[m.rail], m.dest_addr + s.dst_offset, m.dest_key, immediate,
+                 deadline, limit);
     }
   }
 }
@@ -497,7 +561,7 @@ void TransferEngine::barrier(int group_id, uint32_t tag, double timeout_s) {
   const auto deadline = deadline_after(limit);
   std::vector<std::pair<uint32_t, uint64_t>> counts;
   for (const Member& m : group->members) {
-    post_write(m, nullptr, 0, nullptr, m.signal.addr, m.signal.key, immediate, deadline, limit);
+    post_write(m, nullptr, 0, nullptr, m.signal_addr, m.signal_key, immediate, deadline, limit);
     counts.emplace_back(m.rank, 1);
   }
   wait(tag, counts, seconds_left(deadline), "barrier");
@@ -599,6 +663,11 @@ size_t TransferEngine::open_regions() const {
   return regions_.size();
 }
 
+std::vector<uint64_t> TransferEngine::rail_writes() {
+  std::lock_guard<std::mutex> lock(progress_mutex_);
+  return rail_writes_;
+}
+
 void TransferEngine::throw_if_failed() {
   std::lock_guard<std::mutex> lock(progress_mutex_);
   if (!failure_.empty()) {
@@ -637,32 +706,38 @@ void TransferEngine::progress_loop() {
   }
 }
 
+// One read of every rail's completion queue; returns the entries read.
 size_t TransferEngine::poll_once() {
-  fi_cq_data_entry entries[kCqBatch];
-  const ssize_t ret = fi_cq_read(cq_, entries, kCqBatch);
-  if (ret == -FI_EAGAIN) return 0;
-  if (ret == -FI_EAVAIL) {
-    read_error_entry();
-    return 1;
-  }
-  if (ret < 0) {
-    fail(std::string("fi_cq_read: ") + fi_strerror(static_cast<int>(-ret)));
-    return 0;
-  }
-  std::lock_guard<std::mutex> lock(progress_mutex_);
-  for (ssize_t i = 0; i < ret; ++i) {
-    Completion c{entries[i].flags, entries[i].data, entries[i].op_context};
-    if (config_.shuffle_seed) {
-      held_.push_back(c);
-    } else {
-      apply(c);
+  size_t total = 0;
+  for (const Rail& rail : rails_) {
+    fi_cq_data_entry entries[kCqBatch];
+    const ssize_t ret = fi_cq_read(rail.cq, entries, kCqBatch);
+    if (ret == -FI_EAGAIN) continue;
+    if (ret == -FI_EAVAIL) {
+      read_error_entry(rail.cq);
+      ++total;
+      continue;
     }
+    if (ret < 0) {
+      fail(std::string("fi_cq_read: ") + fi_strerror(static_cast<int>(-ret)));
+      continue;
+    }
+    std::lock_guard<std::mutex> lock(progress_mutex_);
+    for (ssize_t i = 0; i < ret; ++i) {
+      Completion c{entries[i].flags, entries[i].data, entries[i].op_context};
+      if (config_.shuffle_seed) {
+        held_.push_back(c);
+      } else {
+        apply(c);
+      }
+    }
+    // Shuffle mode: hold up to a random 1..8 completions, then apply them in random order.
+    if (config_.shuffle_seed && held_.size() >= 1 + next_random(shuffle_state_) % 8) {
+      release_held(true);
+    }
+    total += static_cast<size_t>(ret);
   }
-  // Shuffle mode: hold up to a random 1..8 completions, then apply them in random order.
-  if (config_.shuffle_seed && held_.size() >= 1 + next_random(shuffle_state_) % 8) {
-    release_held(true);
-  }
-  return static_cast<size_t>(ret);
+  return total;
 }
 
 // Requires progress_mutex_.
@@ -686,9 +761,9 @@ void TransferEngine::apply(const Completion& c) {
   }
 }
 
-void TransferEngine::read_error_entry() {
+void TransferEngine::read_error_entry(fid_cq* cq) {
   fi_cq_err_entry err{};
-  const ssize_t ret = fi_cq_readerr(cq_, &err, 0);
+  const ssize_t ret = fi_cq_readerr(cq, &err, 0);
   if (ret < 0) {
     if (ret != -FI_EAGAIN) {
       fail(std::string("fi_cq_readerr: ") + fi_strerror(static_cast<int>(-ret)));
@@ -697,7 +772,7 @@ void TransferEngine::read_error_entry() {
   }
   char provider_text[256] = {0};
   const char* detail =
-      fi_cq_strerror(cq_, err.prov_errno, err.err_data, provider_text, sizeof(provider_text));
+      fi_cq_strerror(cq, err.prov_errno, err.err_data, provider_text, sizeof(provider_text));
   std::string message = std::string(fi_strerror(err.err)) + " (provider: " +
                         (detail ? detail : "no detail") + ")";
   std::lock_guard<std::mutex> lock(progress_mutex_);
@@ -729,25 +804,26 @@ void TransferEngine::close() {
       first_error = std::string("fi_close(") + what + "): " + fi_strerror(-ret);
     }
   };
-  close_fid(ep_ ? &ep_->fid : nullptr, "endpoint");
-  close_fid(cq_ ? &cq_->fid : nullptr, "completion queue");
+  for (Rail& rail : rails_) {
+    close_fid(rail.ep ? &rail.ep->fid : nullptr, "endpoint");
+    close_fid(rail.cq ? &rail.cq->fid : nullptr, "completion queue");
+  }
   {
     std::lock_guard<std::mutex> lock(state_mutex_);
-    for (auto& [id, region] : regions_) close_fid(&region->mr->fid, "memory region");
+    for (auto& [id, region] : regions_) {
+      for (fid_mr* mr : region->mrs) close_fid(&mr->fid, "memory region");
+    }
     regions_.clear();
     groups_.clear();
     peers_.clear();
   }
-  close_fid(av_ ? &av_->fid : nullptr, "address vector");
-  close_fid(domain_ ? &domain_->fid : nullptr, "domain");
-  close_fid(fabric_ ? &fabric_->fid : nullptr, "fabric");
-  ep_ = nullptr;
-  cq_ = nullptr;
-  av_ = nullptr;
-  domain_ = nullptr;
-  fabric_ = nullptr;
-  if (info_ != nullptr) fi_freeinfo(info_);
-  info_ = nullptr;
+  for (Rail& rail : rails_) {
+    close_fid(rail.av ? &rail.av->fid : nullptr, "address vector");
+    close_fid(rail.domain ? &rail.domain->fid : nullptr, "domain");
+    close_fid(rail.fabric ? &rail.fabric->fid : nullptr, "fabric");
+    if (rail.info != nullptr) fi_freeinfo(rail.info);
+    rail = Rail{};
+  }
   if (!first_error.empty()) throw TransportError(first_error);
 }
 

@@ -1,6 +1,6 @@
-// TransferEngine: one libfabric RDM endpoint, its registered memory, its peers and peer
-// groups, and one progress thread that drains the completion queue (callers blocked in
-// wait/flush poll it too, so a message costs no thread wake-up).
+// TransferEngine: libfabric RDM endpoints (one per rail: a NIC), their registered memory,
+// peers and peer groups, and one progress thread that drains the completion queues (callers
+// blocked in wait/flush poll them too, so a message costs no thread wake-up).
 //
 // Operations (all writes carry a 32-bit immediate, see immediate.h):
 // - scatter: one local source region, a different slice to a different offset on each member
@@ -10,11 +10,18 @@
 // - wait: block until (tag, source) immediates reached an expected count, then consume them.
 // Nothing depends on delivery order; shuffle mode (Config::shuffle_seed != 0) permutes the
 // posting order of each scatter and holds back completions to apply them in random order.
-// Not tested here (no hardware): providers efa and verbs;ofi_rxm, FI_MR_LOCAL / PROV_KEY /
-// ENDPOINT registration paths (shm and tcp;ofi_rxm ask only FI_MR_VIRT_ADDR or nothing) and
-// FI_HMEM (CUDA memory).
 //
-// Thread safety: every public method may be called from any thread (the endpoint is opened
+// Several NICs (Config::domains): the engine opens an endpoint on each and shards its peers
+// across them, not the bytes of a write: every write to peer p leaves on local rail
+// (rank + p) % local rails and arrives on the peer's rail (rank + p) % its rails. For a
+// sender its peers spread over its NICs, and for a receiver its senders spread over its NICs;
+// every region is registered on every rail, so any rail may write into it.
+//
+// Not tested here (no hardware): providers efa and verbs;ofi_rxm, FI_MR_LOCAL / PROV_KEY /
+// ENDPOINT registration paths (shm and tcp;ofi_rxm ask only FI_MR_VIRT_ADDR or nothing),
+// FI_HMEM (CUDA memory), and rails on distinct NICs (the tests open several on one domain).
+//
+// Thread safety: every public method may be called from any thread (the endpoints are opened
 // FI_THREAD_SAFE); close() must not race other calls.
 #pragma once
 
@@ -45,6 +52,10 @@ struct Config {
   double timeout_s = 10.0;      // default bound of every wait and of a post retried on FI_EAGAIN
   uint64_t shuffle_seed = 0;    // != 0: test mode that reorders posts and completions
   bool cuda_memory = false;     // ask for FI_HMEM (device buffers); needs a provider with it
+  // One endpoint (rail) per entry: the domain names of the NICs to use, e.g. the EFA devices
+  // next to the GPU (`fi_info -p efa` lists them); a name may repeat. Empty: one rail on the
+  // provider's first domain (or the one `node` selects).
+  std::vector<std::string> domains;
 };
 
 // One slice of a scatter, for the member at the same position in the group.
@@ -58,11 +69,11 @@ struct Slice {
 struct FabricFacts {
   std::string provider;
   std::string fabric;
-  std::string domain;
+  std::vector<std::string> domains;  // each rail's, in rail order
   uint64_t mr_mode = 0;            // the FI_MR_* bits the provider asked us to follow
-  uint64_t max_msg_size = 0;
+  uint64_t max_msg_size = 0;       // the smallest of the rails'
   uint64_t inject_size = 0;
-  bool cuda_memory = false;        // FI_HMEM was granted
+  bool cuda_memory = false;        // FI_HMEM was granted on every rail
 };
 
 class TransferEngine {
@@ -82,7 +93,8 @@ class TransferEngine {
   void add_peer(const std::string& card);
 
   // Registers [ptr, ptr + size) of host memory (or CUDA memory on `cuda_device` when
-  // Config::cuda_memory was granted) for local reads and remote writes; returns a region id.
+  // Config::cuda_memory was granted) with every rail, for local reads and remote writes;
+  // returns a region id.
   int register_memory(void* ptr, uint64_t size, int cuda_device = -1);
   std::string region_descriptor(int region) const;
   void deregister_memory(int region);
@@ -115,6 +127,8 @@ class TransferEngine {
 
   // Registered regions, the internal signal region included (0 once closed).
   size_t open_regions() const;
+  // Writes posted on each rail so far (barrier and empty-slice writes included).
+  std::vector<uint64_t> rail_writes();
 
   // Stops the progress thread, closes regions, endpoint, queues, domain, fabric. Idempotent;
   // every other call on a closed engine throws.
@@ -125,8 +139,20 @@ class TransferEngine {
   struct Member;
   struct Group;
   struct WriteContext;
+  // One endpoint on one domain (NIC), with its own completion queue and address vector.
+  struct Rail {
+    fi_info* info = nullptr;
+    fid_fabric* fabric = nullptr;
+    fid_domain* domain = nullptr;
+    fid_cq* cq = nullptr;
+    fid_av* av = nullptr;
+    fid_ep* ep = nullptr;
+    std::string endpoint_name;
+  };
   struct Peer {
-    fi_addr_t addr = FI_ADDR_UNSPEC;
+    uint32_t rail = 0;         // the local rail that talks to this peer
+    uint32_t remote_rail = 0;  // the peer's rail that receives from this engine
+    fi_addr_t addr = FI_ADDR_UNSPEC;  // in rails_[rail]'s address vector
     uint64_t engine_id = 0;
     RegionDescriptor signal;  // where barrier writes and empty slices go
   };
@@ -136,8 +162,9 @@ class TransferEngine {
     void* context = nullptr;
   };
 
-  void open_fabric();
-  void open_endpoint();
+  // Opens rails_[index] on `domain` ("": the provider's first) and checks it agrees with
+  // rail 0 (provider, registration rules).
+  void open_rail(size_t index, const std::string& domain);
   // Posts one write; retries a full transmit queue until `deadline` (`limit_s` after the
   // caller's start, for the error message).
   void post_write(const Member& member, void* local, uint64_t length, void* local_desc,
@@ -145,7 +172,7 @@ class TransferEngine {
                   Clock::time_point deadline, double limit_s);
   void progress_loop();
   size_t poll_once();
-  void read_error_entry();
+  void read_error_entry(fid_cq* cq);
   void apply(const Completion& completion);
   void release_held(bool all);
   void fail(const std::string& message);
@@ -160,13 +187,7 @@ class TransferEngine {
   Config config_;
   uint64_t engine_id_ = 0;  // this incarnation, stamped into its card and descriptors
   FabricFacts facts_;
-  fi_info* info_ = nullptr;
-  fid_fabric* fabric_ = nullptr;
-  fid_domain* domain_ = nullptr;
-  fid_cq* cq_ = nullptr;
-  fid_av* av_ = nullptr;
-  fid_ep* ep_ = nullptr;
-  std::string endpoint_name_;
+  std::vector<Rail> rails_;  // sized once in the constructor
 
   // The signal region: a small buffer every peer may write to (barrier, empty slices).
   std::vector<uint8_t> signal_buffer_;
@@ -184,6 +205,7 @@ class TransferEngine {
   std::unordered_map<uint32_t, uint64_t> arrived_;  // immediate -> unconsumed arrivals
   uint64_t posted_ = 0;
   uint64_t completed_ = 0;
+  std::vector<uint64_t> rail_writes_;  // [rails] writes posted on each
   std::string failure_;  // first CQ error (or fatal progress error); sticky
   int failed_peer_ = -1;  // the peer of the write that failure_ reports, if it is one
   // Contexts of writes in flight come from this pool (owned here, reused after completion).

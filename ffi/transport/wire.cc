@@ -9,7 +9,6 @@ namespace {
 
 constexpr char kRegionMagic[4] = {'J', 'M', 'M', 'R'};
 constexpr char kCardMagic[4] = {'J', 'M', 'T', 'E'};
-constexpr size_t kRegionBytes = 4 + 5 * sizeof(uint64_t) + sizeof(uint32_t);
 
 // FNV-1a, 64-bit: catches corrupted descriptors (a flipped key), not forgery.
 uint64_t fnv1a(const char* data, size_t n) {
@@ -78,13 +77,24 @@ class Reader {
   size_t pos_ = 0;
 };
 
+// A rail count read from a blob: 1..kMaxRails.
+size_t read_rails(Reader& reader) {
+  const size_t rails = reader.get<uint16_t>();
+  if (rails == 0 || rails > kMaxRails) {
+    reader.fail("names " + std::to_string(rails) + " rails; an engine has 1 to " +
+                std::to_string(kMaxRails));
+  }
+  return rails;
+}
+
 RegionDescriptor read_region(Reader& reader) {
   RegionDescriptor region;
   region.addr = reader.get<uint64_t>();
-  region.key = reader.get<uint64_t>();
   region.size = reader.get<uint64_t>();
   region.owner_rank = reader.get<uint32_t>();
   region.engine_id = reader.get<uint64_t>();
+  region.keys.resize(read_rails(reader));
+  for (uint64_t& key : region.keys) key = reader.get<uint64_t>();
   return region;
 }
 
@@ -93,10 +103,11 @@ RegionDescriptor read_region(Reader& reader) {
 std::string encode_region(const RegionDescriptor& region) {
   std::string out(kRegionMagic, 4);
   put(out, region.addr);
-  put(out, region.key);
   put(out, region.size);
   put(out, region.owner_rank);
   put(out, region.engine_id);
+  put(out, static_cast<uint16_t>(region.keys.size()));
+  for (uint64_t key : region.keys) put(out, key);
   put(out, fnv1a(out.data(), out.size()));
   return out;
 }
@@ -107,7 +118,7 @@ RegionDescriptor decode_region(const std::string& bytes, const char* what) {
   RegionDescriptor region = read_region(reader);
   const uint64_t checksum = reader.get<uint64_t>();
   reader.expect_end();
-  if (checksum != fnv1a(bytes.data(), kRegionBytes - sizeof(uint64_t))) {
+  if (checksum != fnv1a(bytes.data(), bytes.size() - sizeof(uint64_t))) {
     reader.fail("fails its checksum: it was altered after MemoryRegion.descriptor made it");
   }
   return region;
@@ -119,9 +130,14 @@ std::string encode_card(const AddressCard& card) {
   put(out, card.engine_id);
   put(out, static_cast<uint16_t>(card.provider.size()));
   out += card.provider;
-  put(out, static_cast<uint16_t>(card.endpoint_name.size()));
-  out += card.endpoint_name;
-  out += encode_region(card.signal);
+  put(out, static_cast<uint16_t>(card.endpoint_names.size()));
+  for (const std::string& name : card.endpoint_names) {
+    put(out, static_cast<uint16_t>(name.size()));
+    out += name;
+  }
+  const std::string signal = encode_region(card.signal);
+  put(out, static_cast<uint16_t>(signal.size()));
+  out += signal;
   return out;
 }
 
@@ -132,10 +148,17 @@ AddressCard decode_card(const std::string& bytes, const char* what) {
   card.rank = reader.get<uint32_t>();
   card.engine_id = reader.get<uint64_t>();
   card.provider = reader.get_string(reader.get<uint16_t>());
-  card.endpoint_name = reader.get_string(reader.get<uint16_t>());
-  if (card.endpoint_name.empty()) reader.fail("has an empty endpoint name");
-  const std::string region_bytes = reader.get_string(kRegionBytes);
+  card.endpoint_names.resize(read_rails(reader));
+  for (std::string& name : card.endpoint_names) {
+    name = reader.get_string(reader.get<uint16_t>());
+    if (name.empty()) reader.fail("has an empty endpoint name");
+  }
+  const std::string region_bytes = reader.get_string(reader.get<uint16_t>());
   card.signal = decode_region(region_bytes, what);
+  if (card.signal.keys.size() != card.endpoint_names.size()) {
+    reader.fail("has a signal region of " + std::to_string(card.signal.keys.size()) +
+                " rails for " + std::to_string(card.endpoint_names.size()) + " endpoints");
+  }
   reader.expect_end();
   return card;
 }

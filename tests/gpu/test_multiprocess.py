@@ -99,6 +99,12 @@ HOST_JOBS = (
     Job("host-4x2-shm-fp8-source-split", (0, 0, 0, 0),
         ("--platform", "cpu", "--backend", "host", "--devices-per-process", "2",
          "--dispatch", "fp8", "--reduce", "source", "--split"), timeout_s=90, env=SHM),
+    # Three rails (NICs) per engine, peers sharded across them (transfer_engine.h); shm
+    # endpoints stand in for the NICs.
+    Job("host-4x2-shm-3rails-bf16-expert", (0, 0, 0, 0),
+        ("--platform", "cpu", "--backend", "host", "--devices-per-process", "2",
+         "--dispatch", "bf16", "--reduce", "expert"), timeout_s=90,
+        env=SHM + (("JAX_MOE_HOST_DOMAINS", "shm,shm,shm"),)),
     # World 16: the merge gap of the rows' writes shrinks past world 8 (remote_spans.h).
     Job("host-2x8-shm-fp8-expert", (0, 0),
         ("--platform", "cpu", "--backend", "host", "--devices-per-process", "8",
@@ -144,6 +150,10 @@ PROXY_JOBS = (
         timeout_s=150, env=SHM + FORCE_REMOTE),
     Job("ep2-1GPU-forced-remote-tcp-peer-killed", (0, 0), ("--kill-process", "1"),
         timeout_s=60, env=TCP + FORCE_REMOTE + (("JAX_MOE_TIMEOUT_S", "5"),), killed=1),
+    # Two rails (NICs) per proxy engine, peers sharded across them.
+    Job("ep4-1GPU-forced-remote-shm-2rails-bf16-source", (0, 0, 0, 0),
+        ("--dispatch", "bf16", "--reduce", "source"), timeout_s=150,
+        env=SHM + FORCE_REMOTE + (("JAX_MOE_HOST_DOMAINS", "shm,shm"),)),
 )
 
 
