@@ -214,10 +214,18 @@ def summarize_rows(provider: str, per_process: list[list[dict]], platform: str) 
   return rows
 
 
+# The request that posts a dispatch's rows (after the send kernel): the send half's closing
+# request, alone or (fused dispatch) joined with the receive half's opening (host_proxy.cc).
+POSTING_REQUESTS = ("dispatch_send.end", "dispatch_send.end+recv.begin")
+
+
 def _first_post_us(row: dict) -> float | None:
-  """The proxies' dispatch_send median, doorbell of the phase that posts (after the send
-  kernel) seen -> first remote write (slower process)."""
-  values = [(p or {}).get("dispatch_send.end", {}).get("first_post_us") for p in row["proxy"]]
+  """The proxies' dispatch_send median, doorbell of the request that posts seen -> first
+  remote write (slower process)."""
+  values = []
+  for requests in row["proxy"]:
+    found = [(requests or {}).get(op, {}).get("first_post_us") for op in POSTING_REQUESTS]
+    values.append(next((v for v in found if v is not None), None))
   return None if any(v is None for v in values) else max(values)
 
 

@@ -218,3 +218,14 @@ def test_proxy_summary_and_phases_name_each_request_and_the_gpu_part_before_it()
     assert bench_host_remote.proxy_phases([row]) == (
         "shm decode process 0, us GPU before + proxy: dispatch_send.begin 3000+3, "
         "dispatch_send.end 1000+15")
+
+
+def test_first_post_is_read_from_the_request_that_posts_alone_or_joined():
+    """A split dispatch posts in "dispatch_send.end", a fused one in the request joined with
+    the receive half's opening (ffi/cuda/host_proxy.cc); the slower process counts."""
+    from benchmarks import bench_host_remote
+
+    alone = {"dispatch_send.end": {"first_post_us": 2.0}}
+    joined = {"dispatch_send.end+recv.begin": {"first_post_us": 3.5}}
+    assert bench_host_remote._first_post_us({"proxy": [alone, joined]}) == 3.5
+    assert bench_host_remote._first_post_us({"proxy": [alone, {}]}) is None

@@ -33,24 +33,30 @@ cudaError_t launch(const CudaRankState& s, int phases, const CombineSendArgs& a,
                         b.send_dest, b.topk_weights, b.out, stream);
 }
 
-// The host proxy's halves (ffi/cuda/host_proxy.h).
+// The host proxy's halves (ffi/cuda/host_proxy.h); the fused ops run them kJoined.
+using Joint = CudaProxy::Joint;
+
 cudaError_t proxy_half(CudaRankState& s, TokenInput input, const DispatchSendArgs& a,
-                       cudaStream_t stream) {
+                       Joint joint, cudaStream_t stream) {
   return s.proxy->dispatch_send(s.view(), input, a.x, a.x_scales, a.topk_ids, a.topk_weights,
-                                a.num_tokens, a.send_dest, stream);
+                                a.num_tokens, a.send_dest, joint, stream);
 }
 
-cudaError_t proxy_half(CudaRankState& s, const DispatchRecvArgs& b, cudaStream_t stream) {
+cudaError_t proxy_half(CudaRankState& s, const DispatchRecvArgs& b, Joint joint,
+                       cudaStream_t stream) {
   return s.proxy->dispatch_recv(s.view(), b.x, b.scales, b.weights, b.group_sizes,
-                                b.tokens_per_expert, b.slot_rows, stream);
+                                b.tokens_per_expert, b.slot_rows, joint, stream);
 }
 
-cudaError_t proxy_half(CudaRankState& s, const CombineSendArgs& a, cudaStream_t stream) {
-  return s.proxy->combine_send(s.view(), a.y, a.slot_rows, a.row_weights, a.done, stream);
+cudaError_t proxy_half(CudaRankState& s, const CombineSendArgs& a, Joint joint,
+                       cudaStream_t stream) {
+  return s.proxy->combine_send(s.view(), a.y, a.slot_rows, a.row_weights, a.done, joint,
+                               stream);
 }
 
-cudaError_t proxy_half(CudaRankState& s, const CombineRecvArgs& b, cudaStream_t stream) {
-  return s.proxy->combine_recv(s.view(), b.send_dest, b.topk_weights, b.out, stream);
+cudaError_t proxy_half(CudaRankState& s, const CombineRecvArgs& b, Joint joint,
+                       cudaStream_t stream) {
+  return s.proxy->combine_recv(s.view(), b.send_dest, b.topk_weights, b.out, joint, stream);
 }
 
 struct CudaExchange {
@@ -70,13 +76,13 @@ struct CudaExchange {
 
   static ffi::Error dispatch_send(const CallSite& site, cudaStream_t stream, State& s,
                                   TokenInput input, const DispatchSendArgs& a) {
-    return launch_result(site, s.proxy ? proxy_half(s, input, a, stream)
+    return launch_result(site, s.proxy ? proxy_half(s, input, a, Joint::kAlone, stream)
                                        : launch(s, kPhaseSend, input, a, kNoRecv, stream));
   }
 
   static ffi::Error dispatch_recv(const CallSite& site, cudaStream_t stream, State& s,
                                   const DispatchRecvArgs& b) {
-    return launch_result(site, s.proxy ? proxy_half(s, b, stream)
+    return launch_result(site, s.proxy ? proxy_half(s, b, Joint::kAlone, stream)
                                        : launch(s, kPhaseRecv, kInputBf16, kNoSend, b, stream));
   }
 
@@ -85,28 +91,30 @@ struct CudaExchange {
                              TokenInput input, const DispatchSendArgs& a,
                              const DispatchRecvArgs& b) {
     if (!s.proxy) return launch_result(site, launch(s, kPhaseBoth, input, a, b, stream));
-    if (auto err = launch_result(site, proxy_half(s, input, a, stream)); err.failure())
+    if (auto err = launch_result(site, proxy_half(s, input, a, Joint::kJoined, stream));
+        err.failure())
       return err;
-    return launch_result(site, proxy_half(s, b, stream));
+    return launch_result(site, proxy_half(s, b, Joint::kJoined, stream));
   }
 
   static ffi::Error combine_send(const CallSite& site, cudaStream_t stream, State& s,
                                  const CombineSendArgs& a) {
-    return launch_result(site, s.proxy ? proxy_half(s, a, stream)
+    return launch_result(site, s.proxy ? proxy_half(s, a, Joint::kAlone, stream)
                                        : launch(s, kPhaseSend, a, kNoCombineRecv, stream));
   }
 
   static ffi::Error combine_recv(const CallSite& site, cudaStream_t stream, State& s,
                                  const CombineRecvArgs& b) {
-    return launch_result(site, s.proxy ? proxy_half(s, b, stream)
+    return launch_result(site, s.proxy ? proxy_half(s, b, Joint::kAlone, stream)
                                        : launch(s, kPhaseRecv, kNoCombineSend, b, stream));
   }
 
   static ffi::Error combine(const CallSite& site, cudaStream_t stream, State& s,
                             const CombineSendArgs& a, const CombineRecvArgs& b) {
     if (!s.proxy) return launch_result(site, launch(s, kPhaseBoth, a, b, stream));
-    if (auto err = launch_result(site, proxy_half(s, a, stream)); err.failure()) return err;
-    return launch_result(site, proxy_half(s, b, stream));
+    if (auto err = launch_result(site, proxy_half(s, a, Joint::kJoined, stream)); err.failure())
+      return err;
+    return launch_result(site, proxy_half(s, b, Joint::kJoined, stream));
   }
 };
 

@@ -13,7 +13,8 @@ namespace jax_moe {
 namespace {
 
 // The doorbell's op byte: which CPU phase the proxy runs (ffi/host/exchange.h). Each half is
-// its first phase, its kernel (cuda/proxy_rows.cuh), its second phase.
+// its first phase, its kernel (cuda/proxy_rows.cuh), its second phase; in a fused op the send
+// half's second phase and the receive half's first are served for one doorbell (9, 10).
 enum ProxyOp : uint32_t {
   kOpDispatchSend = 1,     // order check, wait for the acknowledgements
   kOpDispatchSendEnd = 2,  // errors the kernel found, publish, post routes and rows
@@ -23,7 +24,12 @@ enum ProxyOp : uint32_t {
   kOpCombineSendEnd = 6,   // publish, post rows or partials
   kOpCombineRecv = 7,      // wait for rows or partials
   kOpCombineRecvEnd = 8,   // acknowledge
+  kOpDispatchJoint = 9,    // kOpDispatchSendEnd, then kOpDispatchRecv
+  kOpCombineJoint = 10,    // kOpCombineSendEnd, then kOpCombineRecv
 };
+
+// The ops after which a kernel reads `go`: they open a phase.
+bool opens_phase(uint32_t op) { return op % 2 == 1 || op == kOpCombineJoint; }
 
 }  // namespace
 
@@ -37,6 +43,8 @@ const char* proxy_op_name(uint32_t op) {
     case kOpCombineSendEnd: return "combine_send.end";
     case kOpCombineRecv: return "combine_recv.begin";
     case kOpCombineRecvEnd: return "combine_recv.end";
+    case kOpDispatchJoint: return "dispatch_send.end+recv.begin";
+    case kOpCombineJoint: return "combine_send.end+recv.begin";
     default: return "unknown";
   }
 }
@@ -276,21 +284,27 @@ void CudaProxy::run() {
 void CudaProxy::serve(uint32_t op) {
   host::HostRankState& s = *host_;
   ProxyControl& c = *control_;
-  const bool first_phase = op % 2 == 1;  // odd ops come before a kernel that reads `go`
-  if (first_phase) {
+  // A closing phase runs only when its half's opening phase succeeded.
+  const bool opened = phase_ok_;
+  if (opens_phase(op)) {  // `go` stays 0 unless this phase succeeds (also when it throws)
     c.go = 0;
     phase_ok_ = false;
+  }
+  const bool send_end = op == kOpDispatchSendEnd || op == kOpDispatchJoint ||
+                        op == kOpCombineSendEnd || op == kOpCombineJoint;
+  if (send_end && opened) {
+    if (op == kOpDispatchSendEnd || op == kOpDispatchJoint)
+      host::dispatch_send_end(s, c.given_tokens, c.first_bad != ~0ull,
+                              static_cast<int32_t>(c.first_bad & 0xffffffffu));
+    else
+      host::combine_send_end(s, area<int32_t>(areas_.slot_rows));
   }
   switch (op) {
     case kOpDispatchSend:
       phase_ok_ = host::dispatch_send_begin(s);
       break;
-    case kOpDispatchSendEnd:
-      if (phase_ok_)
-        host::dispatch_send_end(s, c.given_tokens, c.first_bad != ~0ull,
-                                static_cast<int32_t>(c.first_bad & 0xffffffffu));
-      break;
-    case kOpDispatchRecv: {
+    case kOpDispatchRecv:
+    case kOpDispatchJoint: {
       host::RecvPlan plan{area<int32_t>(areas_.slot_rows), area<float>(areas_.weights),
                           area<int32_t>(areas_.group_sizes),
                           area<int32_t>(areas_.tokens_per_expert), area<int32_t>(areas_.tokens),
@@ -301,41 +315,40 @@ void CudaProxy::serve(uint32_t op) {
       break;
     }
     case kOpDispatchRecvEnd:
-      if (phase_ok_) host::dispatch_recv_end(s);
+      if (opened) host::dispatch_recv_end(s);
       break;
     case kOpCombineSend:
       phase_ok_ = host::combine_send_begin(s);
       break;
-    case kOpCombineSendEnd:
-      if (phase_ok_) host::combine_send_end(s, area<int32_t>(areas_.slot_rows));
-      break;
     case kOpCombineRecv:
+    case kOpCombineJoint:
       phase_ok_ = host::combine_recv_begin(s, area<int32_t>(areas_.send_dest));
       break;
     case kOpCombineRecvEnd:
-      if (phase_ok_) host::combine_recv_end(s);
+      if (opened) host::combine_recv_end(s);
       break;
-    default:
+    default:  // the send halves' closing phases ran above
       break;
   }
-  if (first_phase) c.go = phase_ok_ ? 1 : 0;
+  if (opens_phase(op)) c.go = phase_ok_ ? 1 : 0;
 }
 
 cudaError_t CudaProxy::dispatch_send(const CommView& v, TokenInput input, const void* x,
                                      const float* x_scales, const int32_t* topk_ids,
                                      const float* topk_weights, const int32_t* num_tokens,
-                                     int32_t* send_dest, cudaStream_t stream) {
+                                     int32_t* send_dest, Joint joint, cudaStream_t stream) {
   JAX_MOE_RETURN_IF_ERROR(begin(v, kOpDispatchSend, stream));
   JAX_MOE_RETURN_IF_ERROR(launch_proxy_dispatch_send(rows_view(v), input, x, x_scales, topk_ids,
                                                      topk_weights, num_tokens, send_dest,
                                                      stream));
-  return request(v, kOpDispatchSendEnd, stream);
+  return joint == Joint::kAlone ? request(v, kOpDispatchSendEnd, stream) : cudaSuccess;
 }
 
 cudaError_t CudaProxy::dispatch_recv(const CommView& v, void* x, float* scales, float* weights,
                                      int32_t* group_sizes, int32_t* tokens_per_expert,
-                                     int32_t* slot_rows, cudaStream_t stream) {
-  JAX_MOE_RETURN_IF_ERROR(begin(v, kOpDispatchRecv, stream));
+                                     int32_t* slot_rows, Joint joint, cudaStream_t stream) {
+  JAX_MOE_RETURN_IF_ERROR(
+      begin(v, joint == Joint::kAlone ? kOpDispatchRecv : kOpDispatchJoint, stream));
   JAX_MOE_RETURN_IF_ERROR(launch_proxy_dispatch_recv(rows_view(v), x, scales, weights,
                                                      group_sizes, tokens_per_expert, slot_rows,
                                                      stream));
@@ -343,22 +356,24 @@ cudaError_t CudaProxy::dispatch_recv(const CommView& v, void* x, float* scales, 
 }
 
 cudaError_t CudaProxy::combine_send(const CommView& v, const void* y, const int32_t* slot_rows,
-                                    const float* row_weights, int32_t* done,
+                                    const float* row_weights, int32_t* done, Joint joint,
                                     cudaStream_t stream) {
   JAX_MOE_RETURN_IF_ERROR(begin(v, kOpCombineSend, stream));
   JAX_MOE_RETURN_IF_ERROR(
       launch_proxy_combine_send(rows_view(v), y, slot_rows, row_weights, done, stream));
-  return request(v, kOpCombineSendEnd, stream);
+  return joint == Joint::kAlone ? request(v, kOpCombineSendEnd, stream) : cudaSuccess;
 }
 
 cudaError_t CudaProxy::combine_recv(const CommView& v, const int32_t* send_dest,
-                                    const float* topk_weights, void* out, cudaStream_t stream) {
+                                    const float* topk_weights, void* out, Joint joint,
+                                    cudaStream_t stream) {
   // The CPU's wait counts the writes each expert rank posts, which follow from send_dest
   // [T, K]: the one per-slot copy to the host.
   JAX_MOE_RETURN_IF_ERROR(cudaMemcpyAsync(area<int32_t>(areas_.send_dest), send_dest,
                                           size_t(dims_.max_tokens) * dims_.topk * 4,
                                           cudaMemcpyDeviceToHost, stream));
-  JAX_MOE_RETURN_IF_ERROR(begin(v, kOpCombineRecv, stream));
+  JAX_MOE_RETURN_IF_ERROR(
+      begin(v, joint == Joint::kAlone ? kOpCombineRecv : kOpCombineJoint, stream));
   JAX_MOE_RETURN_IF_ERROR(
       launch_proxy_combine_recv(rows_view(v), send_dest, topk_weights, out, stream));
   return request(v, kOpCombineRecvEnd, stream);

@@ -12,7 +12,7 @@
 // One request of the stream (CudaProxy::dispatch_send etc., same arguments as the launchers
 // of cuda/api.cuh) is: ring the doorbell for the half's first CPU phase and wait for it
 // (cuda/proxy.cu), the half's kernel (cuda/proxy_rows.cuh) on the mapped memory, ring for
-// the second CPU phase. Everything is stream-ordered device work with fixed addresses, so it
+// the second CPU phase (in a fused op, together with the receive half's first: Joint). Everything is stream-ordered device work with fixed addresses, so it
 // can be captured into a command buffer.
 #pragma once
 
@@ -68,17 +68,25 @@ class CudaProxy {
   // The samples since the last call, oldest first (at most kMaxSamples).
   std::vector<ProxySample> take_samples();
 
+  // How a half meets the other half of its op. kAlone: its own opening and closing requests.
+  // kJoined (the fused ops): the send half leaves its closing phase to the receive half,
+  // whose opening request serves both (one doorbell round trip less); a send half run
+  // kJoined must be followed on the same stream by its receive half run kJoined.
+  enum class Joint { kAlone, kJoined };
+
   cudaError_t dispatch_send(const CommView& v, TokenInput input, const void* x,
                             const float* x_scales, const int32_t* topk_ids,
                             const float* topk_weights, const int32_t* num_tokens,
-                            int32_t* send_dest, cudaStream_t stream);
+                            int32_t* send_dest, Joint joint, cudaStream_t stream);
   cudaError_t dispatch_recv(const CommView& v, void* x, float* scales, float* weights,
                             int32_t* group_sizes, int32_t* tokens_per_expert, int32_t* slot_rows,
-                            cudaStream_t stream);
+                            Joint joint, cudaStream_t stream);
   cudaError_t combine_send(const CommView& v, const void* y, const int32_t* slot_rows,
-                           const float* row_weights, int32_t* done, cudaStream_t stream);
+                           const float* row_weights, int32_t* done, Joint joint,
+                           cudaStream_t stream);
   cudaError_t combine_recv(const CommView& v, const int32_t* send_dest,
-                           const float* topk_weights, void* out, cudaStream_t stream);
+                           const float* topk_weights, void* out, Joint joint,
+                           cudaStream_t stream);
 
   static constexpr size_t kMaxSamples = 1 << 16;
 
