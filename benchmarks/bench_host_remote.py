@@ -56,6 +56,7 @@ from benchmarks import report  # noqa: E402
 from benchmarks.arguments import csv_list, phases  # noqa: E402
 from benchmarks.environment import _git  # noqa: E402
 from benchmarks.processes import free_loopback_port, private_mps, wait_all  # noqa: E402
+from jax_moe import settings  # noqa: E402
 
 WORKER = Path(__file__).with_name("host_remote_worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--devices-per-process", type=int, default=1,
                  help="CPU devices (ranks) per process; ranks of one process share memory")
   p.add_argument("--iters", type=int, default=10, help="iterations of the long timed loop")
+  p.add_argument("--steps-per-iteration", type=int, default=4,
+                 help="exchanges per loop iteration; the times are per exchange (a fori_loop "
+                      "iteration costs ~20 us of its own on a GPU, which the raw engine's "
+                      "loop does not pay)")
   p.add_argument("--short-iters", type=int, default=2, help="iterations of the short loop")
   p.add_argument("--reps", type=int, default=5, help="(short, long) pairs per method")
   p.add_argument("--raw-iters", type=int, default=40,
@@ -119,6 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "host-remote")
   p.add_argument("--git-commit", default=None, help="names the code in a tree without .git")
   args = p.parse_args(argv)
+  if args.steps_per_iteration < 1:
+    p.error(f"--steps-per-iteration must be >= 1, got {args.steps_per_iteration}")
   if not 0 <= args.short_iters < args.iters:
     p.error(f"--short-iters must be in [0, --iters), got {args.short_iters} and {args.iters}")
   if not 0 <= args.raw_short_iters < args.raw_iters:
@@ -339,7 +346,7 @@ def main(argv=None) -> int:
             "partial_dtype": args.partial_dtype, "ops": args.ops, "routing": args.routing,
             "seed": args.seed, "devices_per_process": args.devices_per_process,
             "iters": args.iters, "short_iters": args.short_iters, "reps": args.reps,
-            "trace_iters": args.trace_iters,
+            "steps_per_iteration": args.steps_per_iteration, "trace_iters": args.trace_iters,
             "raw_iters": args.raw_iters, "raw_short_iters": args.raw_short_iters,
             "platform": args.platform, "backend": BACKENDS[args.platform], "gpus": args.gpus,
             "others": (["cuda"] if args.platform == "cuda" and not args.no_nvlink else [])
@@ -362,6 +369,7 @@ def main(argv=None) -> int:
   payload = {
       "benchmark": "host_remote",
       "config": {**config, "providers": args.providers, "timeout_s": args.timeout_s,
+                 "domains": settings.host_domains(),  # the engines' rails (NICs)
                  "argv": sys.argv[1:] if argv is None else list(argv)},
       "environment": {
           "git_commit": args.git_commit or _git("rev-parse", "HEAD") or "unknown",
@@ -371,9 +379,10 @@ def main(argv=None) -> int:
           "python": platform.python_version(), "jax_version": importlib.metadata.version("jax"),
           "platform": args.platform, "load_average_1_5_15": os.getloadavg(),
           "jax_moe_build_info": build_info()},
-      "timing": "per-iteration time = (t(n_long) - t(n_short)) / (n_long - n_short), wall time "
-                "of a jitted fori_loop (host, xla) or a Python loop of engine calls (raw); each "
-                "number is the slower of the two processes' medians",
+      "timing": "per-exchange time = (t(n_long) - t(n_short)) / (n_long - n_short) / steps, "
+                "wall time of a jitted fori_loop of steps_per_iteration exchanges an iteration "
+                "(host, xla, cuda) or a Python loop of engine calls (raw, steps 1); each number "
+                "is the slower of the two processes' medians",
       "target": f"{BACKENDS[args.platform]} fused <= {TARGET_RATIOS[args.platform]} x raw "
                 "same_writes; proxy: "
                 "doorbell seen -> first write posted <= 5 us median",

@@ -107,7 +107,7 @@ def _run(config: dict, process_id: int, folder: Path) -> list[dict]:
   from benchmarks import methods, raw_exchange, reference, remote_traffic, stage_profile
   from benchmarks.environment import AXIS, SHARDED
   from benchmarks.problem import Shape, make_inputs, traffic
-  from benchmarks.timing import loop_program, summarize, wall_time
+  from benchmarks.timing import loop_program, per_step, summarize, wall_time
   from jax_moe import settings, transport
 
   peer = 1 - process_id
@@ -157,7 +157,8 @@ def _run(config: dict, process_id: int, folder: Path) -> list[dict]:
   def time_method(method, comm, tokens_in, ids, weights, what: str) -> dict:
     """Checks `method`'s single exchange against the reference, then times it."""
     record = method.record()
-    program = loop_program(mesh, method.init, method.body, method.final)
+    steps = config["steps_per_iteration"]
+    program = loop_program(mesh, method.init, method.body, method.final, steps)
     call = lambda n: program(tokens_in, ids, weights, np.int32(n))  # noqa: E731
     # Compile in both processes before either runs: a rank must not wait for a peer that is
     # still compiling (its waits time out).
@@ -170,14 +171,15 @@ def _run(config: dict, process_id: int, folder: Path) -> list[dict]:
     if not record["correctness"]["passed"]:
       record.update(status="failed", reason="differs from the reference; not timed")
       return record
-    record["time"] = per_iteration(lambda n: wall_time(call, n)[0], what, config["short_iters"],
-                                   config["iters"])
+    timing = per_iteration(lambda n: wall_time(call, n)[0], what, config["short_iters"],
+                           config["iters"])
+    record["time"] = {**per_step(timing, steps), "steps_per_iteration": steps}
     if config["trace_iters"] and method.op == "fused":
       # Both processes trace the same calls, so neither waits inside the other's trace.
       meeting.barrier(f"{what}_trace")
-      steps = config["trace_iters"]
-      record["kernels"] = stage_profile.kernel_table(stage_profile.traced(lambda: call(steps)),
-                                                     steps)
+      loops = -(-config["trace_iters"] // steps)  # at least --trace-iters exchanges
+      record["kernels"] = stage_profile.kernel_table(stage_profile.traced(lambda: call(loops)),
+                                                     loops * steps)
     comm.check()
     record["status"] = "ok"
     return record

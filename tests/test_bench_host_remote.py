@@ -122,7 +122,7 @@ def test_raw_exchange_refuses_an_unknown_mode():
 def test_bench_host_remote_runs_checks_and_writes_results(tmp_path):
     args = ["--hidden", "256", "--experts", "16", "--topk", "4", "--phases", "tiny=8",
             "--dispatch-dtypes", "fp8", "--iters", "3", "--short-iters", "1", "--reps", "1",
-            "--out", str(tmp_path)]
+            "--steps-per-iteration", "2", "--out", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # conftest's 8 devices
     done = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=240)
@@ -143,6 +143,7 @@ def test_bench_host_remote_runs_checks_and_writes_results(tmp_path):
     for process in payload["per_process"]["shm"]:
         for record in process:
             assert record["jax_moe"]["fused"]["correctness"]["passed"]
+            assert record["jax_moe"]["fused"]["time"]["steps_per_iteration"] == 2
     assert "fused/same" in done.stdout
 
 
