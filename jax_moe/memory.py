@@ -17,7 +17,8 @@ def per_rank_bytes(cfg: MoEConfig, axis_size: int, *, chunks: int = 132,
     `chunks` token chunks (MoEConfig.num_sms, by default the device's SM count: 132 on H100
     and H200);
   - "host_buffer": the host backend's (and the cuda host proxies') buffer, plus one staging
-    copy per rank in another process (`remote_ranks`);
+    copy per rank in another process (`remote_ranks`), of which only what this rank writes
+    into that rank's buffer is memory (ffi/host/staging_extents.h);
   - "dispatch_output": the arrays a dispatch returns (rows, scales, weights, counts, slot
     rows), allocated by XLA for each call in flight.
   """
@@ -31,5 +32,6 @@ def per_rank_bytes(cfg: MoEConfig, axis_size: int, *, chunks: int = 132,
             + 2 * cfg.num_local_experts(axis_size) * 4
             + axis_size * cfg.max_tokens * cfg.experts_per_token * 4)
   return {"nvlink_buffer": int(layouts["nvlink"]),
-          "host_buffer": int(layouts["host"]) * (1 + remote_ranks),
+          "host_buffer": int(layouts["host"])
+          + remote_ranks * int(module.host_staging_bytes(moe_dims(cfg, axis_size))),
           "dispatch_output": int(output)}

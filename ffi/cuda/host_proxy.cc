@@ -182,9 +182,10 @@ void CudaProxy::start(host::HostRankState* host_state) {
     throw std::runtime_error("jax_moe cuda proxy: the device cannot address registered host "
                              "memory by its host pointer");
   register_host(host_state->storage.get(), host_state->storage_bytes);
-  if (host_state->remote != nullptr)
-    register_host(host_state->remote->staging_memory(),
-                  host_state->remote->staging_memory_bytes());
+  if (host_state->remote != nullptr) {
+    for (const auto& [memory, bytes] : host_state->remote->staging_memory())
+      register_host(memory, bytes);
+  }
   buffer_device_ = host_state->buffer;
   check_cuda(cudaMemcpy(peers_device_, host_state->peers.data(), sizeof(char*) * dims_.world,
                         cudaMemcpyHostToDevice),

@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "ffi/host/staging_extents.h"
 #include "ffi/host/state.h"
 #include "ffi/native_host.h"
 #include "ffi/native_protocol.h"
@@ -38,6 +39,15 @@ void bind_host(nb::module_& m) {
         nb::arg("threads"), "Threads of the rank's row loops (1 to 64; default 1).");
   m.def("host_destroy_rank", &host::destroy_host_rank, nb::arg("comm_id"), nb::arg("ordinal"),
         "Frees the rank's buffer.");
+  m.def(
+      "host_staging_bytes",
+      [](const MoeDims& dims) {
+        check_dims(dims);
+        return host::staging_bytes(dims, host::page_size());
+      },
+      nb::arg("dims"),
+      "Bytes rank dims.rank commits for its staging copy of one remote rank's buffer "
+      "(ffi/host/staging_extents.h: what it writes there, in whole pages).");
 }
 
 void add_host_targets(nb::dict& targets) {

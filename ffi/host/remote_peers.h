@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace jax_moe::host {
@@ -40,13 +41,12 @@ class RemotePeers {
   virtual bool is_remote(int peer) const = 0;
   // True once every remote rank is connected.
   virtual bool connected() const = 0;
-  // The staging copy of remote rank `peer` (a full buffer layout; only what this rank writes
-  // into that peer's buffer is meaningful).
+  // The staging copy of remote rank `peer`: a full buffer layout of address space in which
+  // only what this rank writes into that peer's buffer is memory (staging_extents.h).
   virtual char* staging(int peer) = 0;
-  // The one allocation that holds every staging copy (page_memory.h: whole pages), so the
-  // cuda host proxies can register it with CUDA once; its size in bytes.
-  virtual char* staging_memory() = 0;
-  virtual uint64_t staging_memory_bytes() const = 0;
+  // Every staging copy's committed extents (whole pages), for the cuda host proxies to
+  // register with CUDA.
+  virtual std::vector<std::pair<char*, uint64_t>> staging_memory() const = 0;
   // Posts spans_by_peer[p] to every remote peer p (one write each; one immediate-only write
   // when the list is empty) and returns once they are posted: nothing waits for their local
   // completion, because a staging copy is rewritten only after its receiver acknowledged the

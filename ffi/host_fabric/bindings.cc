@@ -60,8 +60,7 @@ void bind_host_fabric(nb::module_& m) {
         config.domains = domains;
         config.timeout_s = s.timeout_s;
         config.shuffle_seed = shuffle_seed;
-        auto peers = std::make_unique<host::FabricPeers>(
-            config, s.dims.world, remote_ranks, s.buffer, buffer_layout(s.dims).total);
+        auto peers = std::make_unique<host::FabricPeers>(config, s.dims, remote_ranks, s.buffer);
         nb::tuple card = nb::make_tuple(as_bytes(peers->address()),
                                         as_bytes(peers->buffer_descriptor()));
         s.remote = std::move(peers);

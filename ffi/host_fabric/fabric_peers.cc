@@ -18,35 +18,45 @@ uint32_t tag_of(Signal signal, uint64_t seq) {
 
 }  // namespace
 
-FabricPeers::FabricPeers(const transport::Config& config, int world,
-                         const std::vector<int>& remote_ranks, char* buffer,
-                         uint64_t buffer_bytes)
+FabricPeers::FabricPeers(const transport::Config& config, const MoeDims& dims,
+                         const std::vector<int>& remote_ranks, char* buffer)
     : engine_(config),
-      buffer_bytes_(buffer_bytes),
-      staging_index_(world, -1),
-      group_of_(world, -1) {
+      buffer_bytes_(buffer_layout(dims).total),
+      staging_index_(dims.world, -1),
+      group_of_(dims.world, -1) {
   int next_index = 0;
   for (int peer : remote_ranks) {
-    if (peer < 0 || peer >= world || peer == int(config.rank) || staging_index_[peer] >= 0) {
+    if (peer < 0 || peer >= dims.world || peer == int(config.rank) ||
+        staging_index_[peer] >= 0) {
       throw transport::TransportError("host backend: remote rank " + std::to_string(peer) +
-                                      " is not another rank in [0, " + std::to_string(world) +
-                                      ") listed once");
+                                      " is not another rank in [0, " +
+                                      std::to_string(dims.world) + ") listed once");
     }
     staging_index_[peer] = next_index++;
   }
   // Every write is a span of the buffer, so a buffer the provider can write in one message
   // is enough (shm and tcp have no limit; efa and verbs do).
-  if (buffer_bytes > engine_.facts().max_msg_size) {
+  if (buffer_bytes_ > engine_.facts().max_msg_size) {
     throw transport::TransportError(
-        "host backend: the rank buffer (" + std::to_string(buffer_bytes) +
+        "host backend: the rank buffer (" + std::to_string(buffer_bytes_) +
         " bytes) exceeds the largest message of provider " + engine_.facts().provider + " (" +
         std::to_string(engine_.facts().max_msg_size) + " bytes); lower max_tokens or hidden");
   }
-  const uint64_t staging_bytes = buffer_bytes * remote_ranks.size();
-  staging_storage_ = alloc_pages(staging_bytes);
-  staging_storage_bytes_ = page_rounded(staging_bytes);
-  buffer_region_ = engine_.register_memory(buffer, buffer_bytes);
-  staging_region_ = engine_.register_memory(staging_storage_.get(), staging_bytes);
+  buffer_region_ = engine_.register_memory(buffer, buffer_bytes_);
+  // Each staging copy is address space for a whole buffer with only this rank's extents
+  // committed and registered (staging_extents.h).
+  staging_stride_ = page_rounded(buffer_bytes_);
+  staging_storage_ = ReservedPages(staging_stride_ * remote_ranks.size());
+  extents_ = staging_extents(dims, page_size());
+  for (size_t copy = 0; copy < remote_ranks.size(); ++copy) {
+    std::vector<Extent> regions;
+    for (const ByteRange& e : extents_) {
+      const size_t at = copy * staging_stride_ + e.offset;
+      staging_storage_.commit(at, e.length);
+      regions.push_back({e, engine_.register_memory(staging_storage_.data() + at, e.length)});
+    }
+    staging_regions_.push_back(std::move(regions));
+  }
 }
 
 FabricPeers::~FabricPeers() {
@@ -86,8 +96,30 @@ bool FabricPeers::is_remote(int peer) const {
 }
 
 char* FabricPeers::staging(int peer) {
-  return reinterpret_cast<char*>(staging_storage_.get()) +
-         uint64_t(staging_index_[peer]) * buffer_bytes_;
+  return staging_storage_.data() + uint64_t(staging_index_[peer]) * staging_stride_;
+}
+
+std::vector<std::pair<char*, uint64_t>> FabricPeers::staging_memory() const {
+  std::vector<std::pair<char*, uint64_t>> out;
+  for (size_t copy = 0; copy < staging_regions_.size(); ++copy) {
+    for (const ByteRange& e : extents_)
+      out.emplace_back(staging_storage_.data() + copy * staging_stride_ + e.offset, e.length);
+  }
+  return out;
+}
+
+std::pair<int, uint64_t> FabricPeers::source_of(int peer, const Span& span) const {
+  for (const Extent& e : staging_regions_[staging_index_[peer]]) {
+    if (span.offset >= e.range.offset &&
+        span.offset + span.length <= e.range.offset + e.range.length)
+      return {e.region, span.offset - e.range.offset};
+  }
+  // The exchange writes only inside sender_ranges (host_layout.h); a span outside them is a
+  // bug of the protocol code, reported like a failed post.
+  throw transport::TransportError("host backend: the span [" + std::to_string(span.offset) +
+                                  ", +" + std::to_string(span.length) + ") to rank " +
+                                  std::to_string(peer) +
+                                  " lies outside this rank's staging extents");
 }
 
 bool FabricPeers::post(Signal signal, uint64_t seq,
@@ -99,16 +131,16 @@ bool FabricPeers::post(Signal signal, uint64_t seq,
   try {
     for (peer = 0; peer < int(staging_index_.size()); ++peer) {
       if (!is_remote(peer)) continue;
-      const uint64_t base = uint64_t(staging_index_[peer]) * buffer_bytes_;
       const std::vector<Span>& spans = spans_by_peer[peer];
       // every post within the call's deadline, not a full engine timeout each
       if (spans.empty()) {
-        engine_.scatter(group_of_[peer], staging_region_, {transport::Slice{}}, tag,
+        engine_.scatter(group_of_[peer], buffer_region_, {transport::Slice{}}, tag,
                         seconds_left(deadline));
       }
       for (const Span& span : spans) {
-        engine_.scatter(group_of_[peer], staging_region_,
-                        {transport::Slice{base + span.offset, span.length, span.offset}}, tag,
+        const auto [region, offset] = source_of(peer, span);
+        engine_.scatter(group_of_[peer], region,
+                        {transport::Slice{offset, span.length, span.offset}}, tag,
                         seconds_left(deadline));
       }
     }

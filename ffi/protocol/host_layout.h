@@ -3,6 +3,7 @@
 // The NVLink kernels' layout is ffi/protocol/nvlink_layout.h. Header-only, host and device.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
@@ -62,6 +63,25 @@ JAX_MOE_HD inline BufferLayout buffer_layout(const MoeDims& d) {
   const size_t combine_bytes = d.reduce_expert ? R * T * H * partial_bytes(d) : T * K * H * 2;
   b.total = align_up(b.combine + combine_bytes, 256);
   return b;
+}
+
+// The bytes of a rank's buffer that rank `sender` writes, ascending and disjoint: its route
+// block, its rows recv_tokens[sender], and in the combine region its partials part[sender]
+// (expert mode) or all of comb (source mode: any slot of the rank's tokens may be held by the
+// sender). A staging copy of a remote rank holds only these (ffi/host/staging_extents.h).
+struct ByteRange {
+  size_t offset;
+  size_t length;
+};
+
+inline std::array<ByteRange, 3> sender_ranges(const MoeDims& d, int sender) {
+  const BufferLayout lay = buffer_layout(d);
+  const size_t T = d.max_tokens;
+  const size_t part = T * size_t(d.hidden) * partial_bytes(d);
+  return {ByteRange{lay.routes + size_t(sender) * route_bytes(d), route_bytes(d)},
+          ByteRange{lay.recv_tokens + size_t(sender) * T * token_bytes(d), T * token_bytes(d)},
+          d.reduce_expert ? ByteRange{lay.combine + size_t(sender) * part, part}
+                          : ByteRange{lay.combine, lay.total - lay.combine}};
 }
 
 // Source `src`'s route block in `buffer` (a rank's buffer or a staging copy of one): its token

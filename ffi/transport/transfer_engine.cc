@@ -111,8 +111,9 @@ TransferEngine::TransferEngine(const Config& config) : config_(config) {
                          std::to_string(config_.timeout_s));
   }
   if (config_.domains.size() > kMaxRails) {
-    throw TransportError("TransferEngine: domains names " + std::to_string(config_.domains.size()) +
-                         " rails; at most " + std::to_string(kMaxRails));
+    throw TransportError("TransferEngine: " + std::to_string(config_.domains.size()) +
+                         " domains given; an engine has at most " + std::to_string(kMaxRails) +
+                         " rails");
   }
   shuffle_state_ = config_.shuffle_seed;
   std::random_device entropy;

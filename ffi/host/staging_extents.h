@@ -1,0 +1,39 @@
+// What a host rank's staging copy of a remote rank holds (ffi/host/remote_peers.h): the bytes
+// this rank writes into that rank's buffer (sender_ranges, ffi/protocol/host_layout.h), in
+// whole pages. The rest of the copy is address space only, so a copy costs about 1/R of a
+// buffer in expert mode instead of a whole one; the engine and the cuda host proxies register
+// just these extents.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "ffi/host/page_memory.h"
+#include "ffi/protocol/host_layout.h"
+
+namespace jax_moe::host {
+
+// The page extents (buffer offsets, ascending, merged where they touch) covering
+// sender_ranges(d, d.rank), for pages of `page` bytes.
+inline std::vector<ByteRange> staging_extents(const MoeDims& d, size_t page) {
+  std::vector<ByteRange> out;
+  for (const ByteRange& r : sender_ranges(d, d.rank)) {
+    const size_t begin = r.offset / page * page;
+    const size_t end = (r.offset + r.length + page - 1) / page * page;
+    if (!out.empty() && begin <= out.back().offset + out.back().length) {
+      out.back().length = end - out.back().offset;
+    } else {
+      out.push_back({begin, end - begin});
+    }
+  }
+  return out;
+}
+
+// Bytes one staging copy commits: the sum of its extents.
+inline size_t staging_bytes(const MoeDims& d, size_t page) {
+  size_t total = 0;
+  for (const ByteRange& e : staging_extents(d, page)) total += e.length;
+  return total;
+}
+
+}  // namespace jax_moe::host
