@@ -7,6 +7,7 @@ import pytest
 
 import jax_moe as jm
 from jax_moe import memory, native
+from jax_moe.backends.native_backend import moe_dims
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="needs jax_moe._native")
 
@@ -36,3 +37,19 @@ def test_buffers_hold_every_region_and_grow_with_what_they_carry():
   source = memory.per_rank_bytes(jm.MoEConfig(E, K, H, T), R)  # rows [T][K][H] bf16, one parity
   assert source["nvlink_buffer"] - got["nvlink_buffer"] == pytest.approx(
       2 * (T * K * H * 2 - R * T * H * 2), abs=2**16)
+
+
+def test_a_small_staging_copy_is_the_pages_its_ranges_touch():
+  """ffi/host/staging_extents.h: the route block, rows and partials of one sender, each
+  rounded out to whole pages, merged where they share one; never more than the buffer."""
+  page = os.sysconf("SC_PAGE_SIZE")
+  module = native.load()
+  for R, T in ((2, 4), (4, 64), (8, 1024)):
+    cfg = jm.MoEConfig(16, 2, 128, T, combine_reduce="expert")
+    dims = moe_dims(cfg, R)
+    buffer = module.buffer_bytes(dims, 132)["host"]
+    staging = module.host_staging_bytes(dims)
+    written = T * (128 + 4) + T * 128 * 4  # rows (fp8 codes + one scale) and f32 partials
+    assert staging % page == 0 and page <= staging <= -(-buffer // page) * page
+    route_block = 16 + 8 * T * 2  # token count, then {id, weight} per slot
+    assert written + route_block <= staging <= written + route_block + 3 * 2 * page
