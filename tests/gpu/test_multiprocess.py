@@ -150,6 +150,10 @@ PROXY_JOBS = (
         timeout_s=150, env=SHM + FORCE_REMOTE),
     Job("ep2-1GPU-forced-remote-tcp-peer-killed", (0, 0), ("--kill-process", "1"),
         timeout_s=60, env=TCP + FORCE_REMOTE + (("JAX_MOE_TIMEOUT_S", "5"),), killed=1),
+    # Completions applied late and in random order (the engines' test mode): same results.
+    Job("ep2-1GPU-forced-remote-shm-shuffled-fp8-expert-split", (0, 0),
+        ("--dispatch", "fp8", "--reduce", "expert", "--split"), timeout_s=120,
+        env=SHM + FORCE_REMOTE + (("JAX_MOE_HOST_SHUFFLE_SEED", "11"),)),
     # Two rails (NICs) per proxy engine, peers sharded across them.
     Job("ep4-1GPU-forced-remote-shm-2rails-bf16-source", (0, 0, 0, 0),
         ("--dispatch", "bf16", "--reduce", "source"), timeout_s=150,
