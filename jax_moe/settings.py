@@ -78,15 +78,20 @@ def host_node() -> str:
   return os.environ.get("JAX_MOE_HOST_NODE", "")
 
 
-def host_domains() -> list[str]:
-  """JAX_MOE_HOST_DOMAINS: comma-separated libfabric domain names (NICs) the host backend's and
-  the cuda proxies' endpoints use, one rail each, peers sharded across them ("rdmap79s0,
-  rdmap80s0"); unset or empty: one rail on the provider's first domain."""
+def host_domains(device: int = 0) -> list[str]:
+  """JAX_MOE_HOST_DOMAINS: the libfabric domain names (NICs) whose endpoints the TransferEngine
+  of the host backend's rank or cuda proxy on local device `device` uses, one rail each, its
+  peers sharded across them: comma-separated ("rdmap79s0,rdmap80s0"), or one such group per
+  local device separated by ";" (group device % groups: each GPU its nearest NICs, when one
+  process drives several). Unset or empty: one rail on the provider's first domain."""
   text = os.environ.get("JAX_MOE_HOST_DOMAINS", "")
-  domains = [d.strip() for d in text.split(",")] if text.strip() else []
-  if not all(domains):
-    raise ValueError(f"JAX_MOE_HOST_DOMAINS must be comma-separated domain names, got {text!r}")
-  return domains
+  if not text.strip():
+    return []
+  groups = [[d.strip() for d in group.split(",")] for group in text.split(";")]
+  if not all(all(group) for group in groups):
+    raise ValueError("JAX_MOE_HOST_DOMAINS must be comma-separated domain names, or groups of "
+                     f"them separated by ';', got {text!r}")
+  return groups[device % len(groups)]
 
 
 def host_shuffle_seed() -> int:

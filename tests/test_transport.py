@@ -400,8 +400,11 @@ def test_host_domains_setting(monkeypatch):
 
     for text, domains in (("", []), ("shm", ["shm"]), (" shm, lo ", ["shm", "lo"])):
         monkeypatch.setenv("JAX_MOE_HOST_DOMAINS", text)
-        assert settings.host_domains() == domains
-    for bad in ("shm,,lo", ",", "shm,"):
+        assert settings.host_domains() == domains and settings.host_domains(5) == domains
+    monkeypatch.setenv("JAX_MOE_HOST_DOMAINS", "a,b;c;d,e")  # one group per local device
+    assert [settings.host_domains(i) for i in range(4)] == [["a", "b"], ["c"], ["d", "e"],
+                                                           ["a", "b"]]
+    for bad in ("shm,,lo", ",", "shm,", "a;", ";b"):
         monkeypatch.setenv("JAX_MOE_HOST_DOMAINS", bad)
         with pytest.raises(ValueError, match="JAX_MOE_HOST_DOMAINS must be comma-separated"):
             settings.host_domains()

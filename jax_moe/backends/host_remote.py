@@ -77,7 +77,7 @@ def connect_remote(comm_id: int, group_index: int, local: list[int], owner: str)
       continue
     card, descriptor = module.host_open_remote(comm_id, ordinal, remote,
                                                settings.host_provider(), settings.host_node(),
-                                               settings.host_domains(),
+                                               settings.host_domains(ordinal),
                                                settings.host_shuffle_seed())
     client.key_value_set(key("card", p), card.hex())
     client.key_value_set(key("buffer", p), descriptor.hex())
