@@ -55,8 +55,8 @@ __device__ inline char* combine_term(const ProxyRowsView& v, const BufferLayout&
   const size_t row_bytes = d.reduce_expert ? size_t(d.hidden) * partial_bytes(d)
                                            : size_t(d.hidden) * 2;
   if (src == d.rank) return v.self + self_layout(d).combine + index * row_bytes;
-  const size_t before = d.reduce_expert ? size_t(d.rank) * d.max_tokens * row_bytes : 0;
-  return v.peers[src] + lay.combine + before + index * row_bytes;
+  const size_t region = d.reduce_expert ? partial_block(lay, d, d.rank) : lay.combine;
+  return v.peers[src] + region + index * row_bytes;
 }
 
 template <typename F>

@@ -160,10 +160,4 @@ __device__ inline void warp_copy(int begin, int end, Load load, Store store) {
   }
 }
 
-// Start of token t of source `source` in the dispatch region of `buffer`.
-__device__ inline char* token_slot(char* buffer, const BufferLayout& lay, const MoeDims& d,
-                                   int source, int t) {
-  return buffer + lay.recv_tokens + (size_t(source) * d.max_tokens + t) * token_bytes(d);
-}
-
 }  // namespace jax_moe

@@ -94,11 +94,6 @@ bool wait_all(HostRankState& s, size_t offset, uint64_t target, int32_t stage, S
 // Acknowledgements and other signals: one write from every remote peer.
 std::vector<uint64_t> one_write_each(const MoeDims& d) { return std::vector<uint64_t>(d.world, 1); }
 
-// Start of token t of `source` in the dispatch region of `buffer`.
-char* token_slot(char* buffer, const BufferLayout& lay, const MoeDims& d, int source, int t) {
-  return buffer + lay.recv_tokens + (size_t(source) * d.max_tokens + t) * token_bytes(d);
-}
-
 // fp8 codes of one bf16 row [H] followed by its f32 scales [H/bs], as a dispatch slot holds
 // them (docs/semantics.md "fp8").
 void quantize_row(const MoeDims& d, const uint16_t* row, char* slot) {
@@ -426,7 +421,7 @@ void combine_send(HostRankState& s, const uint16_t* y, const int32_t* slot_rows,
           const uint16_t* yr = y + size_t(row) * H;
           for (int i = 0; i < H; ++i) acc[i] = acc[i] + w * bf16_to_f32(yr[i]);
         }
-        char* dst = s.peers[src] + lay.combine + (size_t(me) * T + t) * H * pbytes;
+        char* dst = s.peers[src] + partial_block(lay, d, me) + size_t(t) * H * pbytes;
         if (d.partial_bf16) {
           uint16_t* out = reinterpret_cast<uint16_t*>(dst);
           for (int i = 0; i < H; ++i) out[i] = f32_to_bf16(acc[i]);

@@ -97,7 +97,7 @@ std::vector<std::vector<Span>> combine_spans(const HostRankState& s, const Buffe
       const uint64_t row_bytes = H * partial_bytes(d);
       for_each_run(T, merge_gap(d, row_bytes), [&](int t) {
         return std::any_of(rows + t * K, rows + (t + 1) * K, [](int32_t r) { return r != -1; });
-      }, add(lay.combine + uint64_t(d.rank) * T * row_bytes, row_bytes));
+      }, add(partial_block(lay, d, d.rank), row_bytes));
     } else {
       for_each_run(T * K, 0, [&](int j) { return rows[j] != -1; }, add(lay.combine, H * 2));
     }

@@ -65,25 +65,6 @@ JAX_MOE_HD inline BufferLayout buffer_layout(const MoeDims& d) {
   return b;
 }
 
-// The bytes of a rank's buffer that rank `sender` writes, ascending and disjoint: its route
-// block, its rows recv_tokens[sender], and in the combine region its partials part[sender]
-// (expert mode) or all of comb (source mode: any slot of the rank's tokens may be held by the
-// sender). A staging copy of a remote rank holds only these (ffi/host/staging_extents.h).
-struct ByteRange {
-  size_t offset;
-  size_t length;
-};
-
-inline std::array<ByteRange, 3> sender_ranges(const MoeDims& d, int sender) {
-  const BufferLayout lay = buffer_layout(d);
-  const size_t T = d.max_tokens;
-  const size_t part = T * size_t(d.hidden) * partial_bytes(d);
-  return {ByteRange{lay.routes + size_t(sender) * route_bytes(d), route_bytes(d)},
-          ByteRange{lay.recv_tokens + size_t(sender) * T * token_bytes(d), T * token_bytes(d)},
-          d.reduce_expert ? ByteRange{lay.combine + size_t(sender) * part, part}
-                          : ByteRange{lay.combine, lay.total - lay.combine}};
-}
-
 // Source `src`'s route block in `buffer` (a rank's buffer or a staging copy of one): its token
 // count, and its RouteEntry [T][K].
 JAX_MOE_HD inline size_t route_block(const BufferLayout& lay, const MoeDims& d, int src) {
@@ -97,5 +78,39 @@ JAX_MOE_HD inline RouteEntry* route_entries(char* buffer, const BufferLayout& la
                                             const MoeDims& d, int src) {
   return reinterpret_cast<RouteEntry*>(buffer + route_block(lay, d, src) + kRouteHeaderBytes);
 }
+
+// Source `src`'s rows recv_tokens[src] [T], and token t's slot among them.
+JAX_MOE_HD inline size_t token_block(const BufferLayout& lay, const MoeDims& d, int src) {
+  return lay.recv_tokens + size_t(src) * d.max_tokens * token_bytes(d);
+}
+JAX_MOE_HD inline char* token_slot(char* buffer, const BufferLayout& lay, const MoeDims& d,
+                                   int src, int t) {
+  return buffer + token_block(lay, d, src) + size_t(t) * token_bytes(d);
+}
+
+// Expert mode: expert rank `sender`'s partials part[sender] [T][H] in the combine region.
+JAX_MOE_HD inline size_t partial_block(const BufferLayout& lay, const MoeDims& d, int sender) {
+  return lay.combine + size_t(sender) * d.max_tokens * d.hidden * partial_bytes(d);
+}
+
+// The bytes of a rank's buffer that rank `sender` writes, ascending and disjoint: its route
+// block, its rows recv_tokens[sender], and in the combine region its partials part[sender]
+// (expert mode) or all of comb (source mode: any slot of the rank's tokens may be held by the
+// sender). A staging copy of a remote rank holds only these (ffi/host/staging_extents.h).
+struct ByteRange {
+  size_t offset;
+  size_t length;
+};
+
+inline std::array<ByteRange, 3> sender_ranges(const MoeDims& d, int sender) {
+  const BufferLayout lay = buffer_layout(d);
+  const size_t T = d.max_tokens;
+  return {ByteRange{route_block(lay, d, sender), route_bytes(d)},
+          ByteRange{token_block(lay, d, sender), T * token_bytes(d)},
+          d.reduce_expert
+              ? ByteRange{partial_block(lay, d, sender), T * size_t(d.hidden) * partial_bytes(d)}
+              : ByteRange{lay.combine, lay.total - lay.combine}};
+}
+
 
 }  // namespace jax_moe
