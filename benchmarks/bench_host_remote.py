@@ -23,8 +23,8 @@ fused <= 1.5 x. Each number is the slower of the two processes' medians.
 GPU exchanges through its host proxy, whose host exchange writes to the other process through
 the TransferEngine. The proxies' own timings come back too: per request kind, the median
 time from the doorbell seen to the first remote write posted (the proxy-overhead
-target of issues 5 and 13: <= 5 us) and to the request done. For context the same run times the cuda backend
-over CUDA IPC (NVLink between the processes) and the xla backend.
+target of issues 5 and 13: <= 5 us) and to the request done. For context the same run times
+the cuda backend over CUDA IPC (NVLink between the processes) and the xla backend.
 
 Writes <out>/host_remote_<host>.json and .png and prints a table.
 

@@ -291,15 +291,12 @@ void CudaProxy::serve(uint32_t op) {
     c.go = 0;
     phase_ok_ = false;
   }
-  const bool send_end = op == kOpDispatchSendEnd || op == kOpDispatchJoint ||
-                        op == kOpCombineSendEnd || op == kOpCombineJoint;
-  if (send_end && opened) {
-    if (op == kOpDispatchSendEnd || op == kOpDispatchJoint)
-      host::dispatch_send_end(s, c.given_tokens, c.first_bad != ~0ull,
-                              static_cast<int32_t>(c.first_bad & 0xffffffffu));
-    else
-      host::combine_send_end(s, area<int32_t>(areas_.slot_rows));
-  }
+  // The send halves' closing phases, alone or joined with the receive half's opening.
+  if (opened && (op == kOpDispatchSendEnd || op == kOpDispatchJoint))
+    host::dispatch_send_end(s, c.given_tokens, c.first_bad != ~0ull,
+                            static_cast<int32_t>(c.first_bad & 0xffffffffu));
+  if (opened && (op == kOpCombineSendEnd || op == kOpCombineJoint))
+    host::combine_send_end(s, area<int32_t>(areas_.slot_rows));
   switch (op) {
     case kOpDispatchSend:
       phase_ok_ = host::dispatch_send_begin(s);

@@ -12,8 +12,9 @@
 // One request of the stream (CudaProxy::dispatch_send etc., same arguments as the launchers
 // of cuda/api.cuh) is: ring the doorbell for the half's first CPU phase and wait for it
 // (cuda/proxy.cu), the half's kernel (cuda/proxy_rows.cuh) on the mapped memory, ring for
-// the second CPU phase (in a fused op, together with the receive half's first: Joint). Everything is stream-ordered device work with fixed addresses, so it
-// can be captured into a command buffer.
+// the second CPU phase (in a fused op, together with the receive half's first: Joint).
+// Everything is stream-ordered device work with fixed addresses, so it can be captured into a
+// command buffer.
 #pragma once
 
 #include <cuda.h>

@@ -63,7 +63,6 @@ class ReservedPages {
   ReservedPages& operator=(const ReservedPages&) = delete;
 
   char* data() const { return data_; }
-  size_t bytes() const { return bytes_; }
   // Commits [offset, offset + length) (whole pages, inside the reservation). Throws
   // std::bad_alloc when the kernel refuses.
   void commit(size_t offset, size_t length) {

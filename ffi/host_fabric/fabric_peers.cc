@@ -47,10 +47,10 @@ FabricPeers::FabricPeers(const transport::Config& config, const MoeDims& dims,
   // committed and registered (staging_extents.h).
   staging_stride_ = page_rounded(buffer_bytes_);
   staging_storage_ = ReservedPages(staging_stride_ * remote_ranks.size());
-  extents_ = staging_extents(dims, page_size());
+  const std::vector<ByteRange> extents = staging_extents(dims, page_size());
   for (size_t copy = 0; copy < remote_ranks.size(); ++copy) {
     std::vector<Extent> regions;
-    for (const ByteRange& e : extents_) {
+    for (const ByteRange& e : extents) {
       const size_t at = copy * staging_stride_ + e.offset;
       staging_storage_.commit(at, e.length);
       regions.push_back({e, engine_.register_memory(staging_storage_.data() + at, e.length)});
@@ -102,8 +102,9 @@ char* FabricPeers::staging(int peer) {
 std::vector<std::pair<char*, uint64_t>> FabricPeers::staging_memory() const {
   std::vector<std::pair<char*, uint64_t>> out;
   for (size_t copy = 0; copy < staging_regions_.size(); ++copy) {
-    for (const ByteRange& e : extents_)
-      out.emplace_back(staging_storage_.data() + copy * staging_stride_ + e.offset, e.length);
+    for (const Extent& e : staging_regions_[copy])
+      out.emplace_back(staging_storage_.data() + copy * staging_stride_ + e.range.offset,
+                       e.range.length);
   }
   return out;
 }

@@ -56,8 +56,7 @@ class FabricPeers : public RemotePeers {
   std::vector<int> staging_index_;  // [world] index of the peer's staging copy, -1 if local
   uint64_t staging_stride_ = 0;     // bytes between staging copies: the buffer in whole pages
   ReservedPages staging_storage_;   // [remote peers][staging_stride_] (page_memory.h)
-  std::vector<ByteRange> extents_;  // of each copy (staging_extents.h)
-  std::vector<std::vector<Extent>> staging_regions_;  // [copy][extent]
+  std::vector<std::vector<Extent>> staging_regions_;  // [copy][extent] (staging_extents.h)
   std::vector<int> group_of_;  // [world] one-member group of a connected remote peer, else -1
 };
 
