@@ -160,8 +160,12 @@ def run_provider(provider: str, config: dict, args, folder: Path,
   env = dict(os.environ, JAX_MOE_HOST_PROVIDER=provider, JAX_MOE_HOST_NODE=PROVIDERS[provider],
              JAX_MOE_TIMEOUT_S=str(args.timeout_s), PYTHONUNBUFFERED="1", **(extra_env or {}))
   results = [folder / f"result{i}.json" for i in range(2)]
+  # Each worker stands for a host of its own (JAX_MOE_HOST_GROUP): their ranks then meet
+  # through the TransferEngine, the path measured here, not through shared memory.
   workers = [subprocess.Popen([sys.executable, str(WORKER), str(config_path), str(i), str(port),
-                               str(results[i])], cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL)
+                               str(results[i])], cwd=REPO_ROOT,
+                              env=dict(env, JAX_MOE_HOST_GROUP=f"host{i}"),
+                              stdin=subprocess.DEVNULL)
              for i in range(2)]
   codes = wait_all(workers, args.worker_timeout_s)
   found = [json.loads(r.read_text()) if r.exists() else None for r in results]

@@ -8,6 +8,7 @@ what it takes.
 from __future__ import annotations
 
 import os
+import socket
 
 # Kernels wait in nanoseconds held in 64 bits; a day keeps every conversion far from overflow.
 MAX_TIMEOUT_S = 86_400.0
@@ -92,6 +93,14 @@ def host_domains(device: int = 0) -> list[str]:
     raise ValueError("JAX_MOE_HOST_DOMAINS must be comma-separated domain names, or groups of "
                      f"them separated by ';', got {text!r}")
   return groups[device % len(groups)]
+
+
+def host_group() -> str:
+  """JAX_MOE_HOST_GROUP: the host this process counts as (default: its host name). Processes of
+  one host share memory: their host-backend ranks and cuda proxies map each other's buffers
+  instead of writing through the TransferEngine, and a cuda mesh within one host needs no
+  proxies. Tests give processes of one machine different groups to stand for several hosts."""
+  return os.environ.get("JAX_MOE_HOST_GROUP", "").strip() or socket.gethostname()
 
 
 def host_shuffle_seed() -> int:

@@ -51,10 +51,10 @@ def _env(devices: int, extra=()) -> dict:
   return env
 
 
-def _launch(folder: Path, argvs, env, timeout_s=JOB_TIMEOUT_S):
+def _launch(folder: Path, argvs, env, timeout_s=JOB_TIMEOUT_S, hosts=None):
   """One cli_worker.py per argv at once: ([(exit code or None if killed at the limit, stdout,
-  stderr)], the seconds each ran)."""
-  return launch(WORKER, folder, argvs, env, timeout_s)
+  stderr)], the seconds each ran); hosts[i]: the host process i stands for."""
+  return launch(WORKER, folder, argvs, env, timeout_s, hosts=hosts)
 
 
 def _report(results) -> str:
@@ -66,8 +66,10 @@ def _last_json(stdout: str) -> dict:
   return json.loads(stdout.strip().splitlines()[-1])
 
 
-def _job(folder, args, processes, env_extra=(), kill=None):
-  """`generate args` on `processes` processes of 8 / processes devices each."""
+def _job(folder, args, processes, env_extra=(), kill=None, apart=False):
+  """`generate args` on `processes` processes of 8 / processes devices each; `apart`: each
+  stands for a host of its own (host-backend ranks of other processes are then reached
+  through the TransferEngine, not shared memory)."""
   port = free_loopback_port()
   argvs = []
   for i in range(processes):
@@ -78,7 +80,8 @@ def _job(folder, args, processes, env_extra=(), kill=None):
     if kill is not None and kill[0] == i:
       argv = ["--kill-at-step", str(kill[1]), "--", *argv]
     argvs.append(argv)
-  return _launch(folder, argvs, _env(8 // processes, env_extra))
+  hosts = [f"host{i}" for i in range(processes)] if apart else None
+  return _launch(folder, argvs, _env(8 // processes, env_extra), hosts=hosts)
 
 
 def _save_checkpoint(config, folder):
@@ -147,12 +150,13 @@ def test_one_process_gives_transformers_tokens(model_checkpoint, one_process):
 
 @pytest.mark.parametrize("exchange,env", [
     ("xla", ()),
+    pytest.param("host", (), id="host-one-host"),  # shared memory between the processes
     pytest.param("host", SHM, marks=needs_fabric, id="host-shm"),
     pytest.param("host", TCP, marks=needs_fabric, id="host-tcp"),
 ])
 def test_two_processes_give_one_process_tokens(model_checkpoint, one_process, tmp_path,
                                                exchange, env):
-  results, _ = _job(tmp_path, _args(model_checkpoint, exchange), 2, env)
+  results, _ = _job(tmp_path, _args(model_checkpoint, exchange), 2, env, apart=bool(env))
   assert [code for code, _, _ in results] == [0, 0], _report(results)
   got = _last_json(results[0][1])
   assert got["tokens"] == one_process["tokens"]
@@ -174,7 +178,7 @@ def test_killed_process_ends_its_peer_naming_it(checkpoint, tmp_path):
   timeout_s = 5
   args = _args(checkpoint, "host")
   results, ended = _job(tmp_path, args, 2, TCP + (("JAX_MOE_TIMEOUT_S", str(timeout_s)),),
-                        kill=(1, 2))
+                        kill=(1, 2), apart=True)
   codes = [code for code, _, _ in results]
   assert codes == [1, -9], _report(results)
   assert ended[0] - ended[1] <= timeout_s + 5, (ended, _report(results))

@@ -1,5 +1,5 @@
 """When the cuda backend goes through its host proxies (backends/cuda_proxy.py): the setting
-and the host-name check, without a GPU; the stage-clock switch (ffi/protocol/stage_clock.h).
+and the host check (backends/hosts.py), without a GPU; the stage-clock switch (ffi/protocol/stage_clock.h).
 The path itself runs on GPUs in gpu/test_cuda_backend.py (one process) and
 gpu/test_multiprocess.py (across processes)."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jax_moe import settings
-from jax_moe.backends import cuda_proxy
+from jax_moe.backends import cuda_proxy, hosts
 
 
 SWITCHES = [("JAX_MOE_FORCE_REMOTE", settings.force_remote),
@@ -76,17 +76,25 @@ def test_one_process_never_asks_the_store(monkeypatch):
     def no_store(owner):
         raise AssertionError("a mesh of one process needs no key-value store")
 
-    monkeypatch.setattr(cuda_proxy, "distributed_client", no_store)
+    monkeypatch.setattr(hosts, "distributed_client", no_store)
     assert not cuda_proxy.spans_hosts(fake_devices([0, 0]), "test")
 
 
-@pytest.mark.parametrize("names, expected", [({1: "this-host"}, False), ({1: "other"}, True)])
-def test_processes_on_other_hosts_are_found_by_name(monkeypatch, names, expected):
-    store = FakeStore(names)
-    monkeypatch.setattr(cuda_proxy, "distributed_client", lambda owner: store)
-    monkeypatch.setattr(cuda_proxy.socket, "gethostname", lambda: "this-host")
-    assert cuda_proxy.spans_hosts(fake_devices([0, 1]), "test") is expected
-    assert "this-host" in store.values.values()  # this process published its name
+@pytest.mark.parametrize("group", [None, "rack7-a"])
+@pytest.mark.parametrize("other_same", [True, False])
+def test_processes_on_other_hosts_are_found_by_group(monkeypatch, group, other_same):
+    """JAX_MOE_HOST_GROUP names this process's host (tests stand several hosts on one
+    machine); unset, the host name does."""
+    mine = group or "this-host"
+    store = FakeStore({1: mine if other_same else "other"})
+    monkeypatch.setattr(hosts, "distributed_client", lambda owner: store)
+    monkeypatch.setattr(settings.socket, "gethostname", lambda: "this-host")
+    if group is None:
+        monkeypatch.delenv("JAX_MOE_HOST_GROUP", raising=False)
+    else:
+        monkeypatch.setenv("JAX_MOE_HOST_GROUP", group)
+    assert cuda_proxy.spans_hosts(fake_devices([0, 1]), "test") is not other_same
+    assert mine in store.values.values()  # this process published its group
 
 
 def test_stage_clocks_are_empty_without_the_cuda_kernels(monkeypatch):

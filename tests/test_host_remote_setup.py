@@ -52,8 +52,8 @@ def test_unknown_provider_is_named(rank0):
 
 def test_connect_order_is_enforced(rank0):
     module, comm_id = rank0
-    # -1 marks a remote rank, and rank 1 is none before host_open_remote.
-    with pytest.raises(ValueError, match="rank 1 has ordinal -1, but it is not a remote rank"):
+    # -1 marks a remote or near rank, and rank 1 is neither before host_open_remote.
+    with pytest.raises(ValueError, match="rank 1 has ordinal -1, but it is neither a remote nor a near rank"):
         module.host_connect_rank(comm_id, 0, [0, -1])
     card, descriptor = module.host_open_remote(comm_id, 0, [1], "shm", "", [], 0)
     with pytest.raises(ValueError, match="already has its peers"):

@@ -172,8 +172,10 @@ void CudaProxy::start(host::HostRankState* host_state) {
   if (host_state == nullptr || !host_state->connected)
     throw std::invalid_argument("jax_moe cuda proxy: the host rank state must be connected first");
   check_cuda(cudaSetDevice(ordinal_), "cudaSetDevice");
-  // The kernels address every rank's host buffer (the other local ranks' proxies register
-  // theirs) by its host address, which needs registered memory mapped at the same address.
+  // The kernels address every rank's host buffer by its host address, which needs registered
+  // memory mapped at the same address: this rank's, its mappings of the near ranks' buffers
+  // (other processes of its host), its staging copies of the remote ranks' (the other local
+  // ranks' proxies register theirs).
   int same_address = 0;
   check_cuda(cudaDeviceGetAttribute(&same_address, cudaDevAttrCanUseHostPointerForRegisteredMem,
                                     ordinal_),
@@ -181,7 +183,10 @@ void CudaProxy::start(host::HostRankState* host_state) {
   if (!same_address)
     throw std::runtime_error("jax_moe cuda proxy: the device cannot address registered host "
                              "memory by its host pointer");
-  register_host(host_state->storage.get(), host_state->storage_bytes);
+  register_host(host_state->storage.data(), host_state->storage.bytes());
+  for (const host::MappedPages& near : host_state->near) {
+    if (near.data() != nullptr) register_host(near.data(), near.bytes());
+  }
   if (host_state->remote != nullptr) {
     for (const auto& [memory, bytes] : host_state->remote->staging_memory())
       register_host(memory, bytes);

@@ -1,14 +1,15 @@
 // The host proxy of a CUDA rank whose peers are reached through the host (other nodes, or
 // every peer when JAX_MOE_FORCE_REMOTE=1; jax_moe/backends/cuda_proxy.py decides). The rank's
 // exchange is the host backend's protocol (ffi/host/exchange.h) on a host rank state with the
-// same (comm id, ordinal): peers in this process share host memory, peers in other processes
-// are written through the TransferEngine (ffi/host_fabric/), and the results are the host
-// backend's, bit for bit the NVLink kernels' (docs/semantics.md).
+// same (comm id, ordinal): peers in this process or on this host share host memory, peers on
+// other hosts are written through the TransferEngine (ffi/host_fabric/), and the results are
+// the host backend's, bit for bit the NVLink kernels' (docs/semantics.md).
 //
 // The GPU does every row's work; the proxy thread only waits, keeps the per-slot bookkeeping
 // (sequences, counts, slot rows, spans), publishes flags and posts writes. At start the proxy
-// maps into the device the host memory the rows live in: the rank's host buffer and its staging
-// copies of the remote ranks (cudaHostRegister; the other local ranks' proxies map theirs).
+// maps into the device the host memory the rows live in: the rank's host buffer, its mappings
+// of the near ranks' buffers (processes of the same host share them) and its staging copies of
+// the remote ranks (cudaHostRegister; the other local ranks' proxies map theirs).
 // One request of the stream (CudaProxy::dispatch_send etc., same arguments as the launchers
 // of cuda/api.cuh) is: ring the doorbell for the half's first CPU phase and wait for it
 // (cuda/proxy.cu), the half's kernel (cuda/proxy_rows.cuh) on the mapped memory, ring for

@@ -1,6 +1,7 @@
 // Python bindings of the host backend (declared in ffi/native_host.h); used by
 // jax_moe/backends/host.py.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <vector>
@@ -17,12 +18,21 @@ namespace jax_moe {
 void bind_host(nb::module_& m) {
   m.def(
       "host_create_rank",
-      [](int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s) {
+      [](int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s, bool shared) {
         check_dims(dims);
-        host::create_host_rank(comm_id, ordinal, dims, timeout_s);
+        host::create_host_rank(comm_id, ordinal, dims, timeout_s, shared);
       },
       nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("dims"), nb::arg("timeout_s"),
-      "Allocates the buffer of one rank of a host communicator on CPU device `ordinal`.");
+      nb::arg("shared") = false,
+      "Allocates the buffer of one rank of a host communicator on CPU device `ordinal`; "
+      "`shared`: in shared memory that ranks in other processes of this host map.");
+  m.def("host_shared_name", &host::host_shared_name, nb::arg("comm_id"), nb::arg("ordinal"),
+        "The name other processes of this host map the rank's shared buffer by.");
+  m.def("host_map_near", &host::map_near_rank, nb::arg("comm_id"), nb::arg("ordinal"),
+        nb::arg("peer"), nb::arg("name"),
+        "Maps the shared buffer of rank `peer` (another process of this host) for the rank.");
+  m.def("host_unlink_shared", &host::unlink_host_shared, nb::arg("comm_id"), nb::arg("ordinal"),
+        "Removes the name of the rank's shared buffer (every near rank mapped it).");
   m.def("host_connect_rank", &host::connect_host_rank, nb::arg("comm_id"), nb::arg("ordinal"),
         nb::arg("ordinals"),
         "Points the rank at every rank's buffer: rank p lives on CPU device ordinals[p].");

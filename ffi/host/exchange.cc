@@ -37,10 +37,13 @@ void publish(HostRankState& s, size_t offset, uint64_t seq) {
 }
 
 // Copies spans_by_peer[p] of the staging copy of every remote rank p to its buffer, as
-// `signal` of call `seq` (see remote_peers.h).
+// `signal` of call `seq` (see remote_peers.h). Only halves whose waits succeeded post, so
+// after a timeout of this rank's a half posts only if an earlier post of the same half
+// failed: it still posts to the other peers, which then do not wait for this rank in vain
+// (and name the peer that failed, not this rank).
 void post_remote(HostRankState& s, Signal signal, uint64_t seq,
                  const std::vector<std::vector<Span>>& spans_by_peer, int32_t stage) {
-  if (s.remote == nullptr || s.timed_out) return;
+  if (s.remote == nullptr) return;
   if (s.first_post_ns == 0)
     s.first_post_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                           std::chrono::steady_clock::now().time_since_epoch())

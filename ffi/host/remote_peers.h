@@ -48,18 +48,22 @@ class RemotePeers {
   // register with CUDA.
   virtual std::vector<std::pair<char*, uint64_t>> staging_memory() const = 0;
   // Posts spans_by_peer[p] to every remote peer p (one write each; one immediate-only write
-  // when the list is empty) and returns once they are posted: nothing waits for their local
+  // when the list is empty) and returns once they are posted, or queued behind a full
+  // transmit queue (the next post or wait posts them): nothing waits for their local
   // completion, because a staging copy is rewritten only after its receiver acknowledged the
   // call it carried (the halves wait for the acknowledgements first), and by then every
-  // write of that call has landed. False on a transport failure or a full transmit queue
-  // past `timeout_s`, naming the peer in `failed_peer`; a write that fails after it was
-  // posted stops the engine, and the next post or wait reports it.
+  // write of that call has landed. A peer whose queue stays full does not hold back the
+  // writes to the others. False on a transport failure, or when a peer's queue stayed full
+  // past a post's `timeout_s` (its writes are dropped, and every later post fails too),
+  // naming the peer in `failed_peer`; a write that fails after it was posted stops the
+  // engine, and the next post or wait reports it.
   virtual bool post(Signal signal, uint64_t seq,
                     const std::vector<std::vector<Span>>& spans_by_peer, double timeout_s,
                     int* failed_peer) = 0;
   // Waits until every remote peer p sent `writes[p]` writes of (signal, seq) (entries of
-  // local ranks are ignored), for at most `timeout_s`. False on timeout or failure, naming
-  // the first peer found short in `late_peer`.
+  // local ranks are ignored), for at most `timeout_s`, posting queued writes meanwhile. False
+  // on timeout or failure, naming the first peer found short (or one whose queue stayed full
+  // past its post's timeout) in `late_peer`.
   virtual bool wait(Signal signal, uint64_t seq, const std::vector<uint64_t>& writes,
                     double timeout_s, int* late_peer) = 0;
 };

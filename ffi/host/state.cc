@@ -1,6 +1,10 @@
 #include "ffi/host/state.h"
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <map>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -25,7 +29,23 @@ HostRankState& existing(int64_t comm_id, int ordinal) {
   return *it->second;
 }
 
+// A name no other object has: the process, the rank, and 64 random bits (a process that
+// died before removing its names may have had this pid).
+std::string fresh_shared_name(int64_t comm_id, int ordinal) {
+  std::random_device entropy;
+  const uint64_t nonce = (uint64_t(entropy()) << 32) | entropy();
+  char text[96];
+  std::snprintf(text, sizeof(text), "/jax_moe.%d.%lld.%d.%016llx", int(getpid()),
+                static_cast<long long>(comm_id), ordinal,
+                static_cast<unsigned long long>(nonce));
+  return text;
+}
+
 }  // namespace
+
+HostRankState::~HostRankState() {
+  if (!shared_name.empty()) unlink_shared(shared_name);
+}
 
 void HostRankState::record_error(int32_t code, int32_t stage, int32_t detail) {
   std::lock_guard<std::mutex> lock(error_mutex_);
@@ -42,7 +62,8 @@ bool HostRankState::take_error(ErrorRecord* out) {
   return true;
 }
 
-void create_host_rank(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s) {
+void create_host_rank(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s,
+                      bool shared) {
   if (!(timeout_s > 0)) throw std::invalid_argument("JAX_MOE_TIMEOUT_S must be positive");
   auto state = std::make_unique<HostRankState>();
   state->comm_id = comm_id;
@@ -50,10 +71,15 @@ void create_host_rank(int64_t comm_id, int ordinal, const MoeDims& dims, double 
   state->dims = dims;
   state->timeout_s = timeout_s;
   const BufferLayout layout = buffer_layout(dims);
-  // Value-initialised: flags start at sequence 0 and unwritten regions read as zeros.
-  state->storage = alloc_pages(layout.total);
-  state->storage_bytes = page_rounded(layout.total);
-  state->buffer = reinterpret_cast<char*>(state->storage.get());
+  // Zeroed: flags start at sequence 0 and unwritten regions read as zeros.
+  if (shared) {
+    state->shared_name = fresh_shared_name(comm_id, ordinal);
+    state->storage = MappedPages::create_shared(state->shared_name, layout.total);
+  } else {
+    state->storage = MappedPages(layout.total);
+  }
+  state->buffer = state->storage.data();
+  state->near.resize(dims.world);
   state->expert_counts.assign(size_t(dims.world) * dims.local_experts, 0);
   state->slot_rank.assign(size_t(dims.world) * dims.max_tokens * dims.topk, 0);
   std::lock_guard<std::mutex> lock(registry_mutex);
@@ -62,6 +88,38 @@ void create_host_rank(int64_t comm_id, int ordinal, const MoeDims& dims, double 
     throw std::invalid_argument("jax_moe host backend: rank state exists already: " +
                                 key_text(comm_id, ordinal));
   }
+}
+
+std::string host_shared_name(int64_t comm_id, int ordinal) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  HostRankState& s = existing(comm_id, ordinal);
+  if (s.shared_name.empty()) {
+    throw std::invalid_argument("jax_moe host backend: the buffer of " +
+                                key_text(comm_id, ordinal) +
+                                " is not shared (host_create_rank(shared=True)), or its name "
+                                "was removed already");
+  }
+  return s.shared_name;
+}
+
+void map_near_rank(int64_t comm_id, int ordinal, int peer, const std::string& name) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  HostRankState& s = existing(comm_id, ordinal);
+  if (peer < 0 || peer >= s.dims.world || peer == s.dims.rank || s.connected ||
+      s.near[peer].data() != nullptr) {
+    throw std::invalid_argument("jax_moe host backend: near rank " + std::to_string(peer) +
+                                " of " + key_text(comm_id, ordinal) +
+                                " must be another rank in [0, " + std::to_string(s.dims.world) +
+                                "), mapped once, before host_connect_rank");
+  }
+  s.near[peer] = MappedPages::open_shared(name, buffer_layout(s.dims).total);
+}
+
+void unlink_host_shared(int64_t comm_id, int ordinal) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  HostRankState& s = existing(comm_id, ordinal);
+  if (!s.shared_name.empty()) unlink_shared(s.shared_name);
+  s.shared_name.clear();
 }
 
 void connect_host_rank(int64_t comm_id, int ordinal, const std::vector<int>& ordinals) {
@@ -78,13 +136,19 @@ void connect_host_rank(int64_t comm_id, int ordinal, const std::vector<int>& ord
   s.peers.clear();
   for (int p = 0; p < s.dims.world; ++p) {
     const bool remote = s.remote != nullptr && s.remote->is_remote(p);
-    if ((ordinals[p] < 0) != remote) {
+    const bool near = s.near[p].data() != nullptr;
+    if ((ordinals[p] < 0) != (remote || near) || (remote && near)) {
       throw std::invalid_argument(
           "jax_moe host backend: rank " + std::to_string(p) + " has ordinal " +
-          std::to_string(ordinals[p]) + ", but it " + (remote ? "is" : "is not") +
-          " a remote rank of " + key_text(comm_id, ordinal) + " (-1 marks remote ranks)");
+          std::to_string(ordinals[p]) + ", but it is " +
+          (remote ? (near ? "both a remote and a near" : "a remote")
+                  : (near ? "a near" : "neither a remote nor a near")) +
+          " rank of " + key_text(comm_id, ordinal) +
+          " (-1 marks ranks in other processes, which must be one of the two)");
     }
-    s.peers.push_back(remote ? s.remote->staging(p) : existing(comm_id, ordinals[p]).buffer);
+    s.peers.push_back(remote ? s.remote->staging(p)
+                      : near ? s.near[p].data()
+                             : existing(comm_id, ordinals[p]).buffer);
   }
   s.connected = true;
 }

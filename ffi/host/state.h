@@ -3,15 +3,17 @@
 // handlers (ffi/host/handlers.cc) look it up by (comm id, device ordinal) from XLA's
 // per-device threads, which run concurrently. Ranks of one process share memory: each writes
 // straight into its peers' buffers (layout: ffi/protocol/host_layout.h, shared with the cuda
-// backend's host proxies). Ranks in other processes are reached through `remote`
-// (ffi/host/remote_peers.h): this rank writes into a staging copy of their buffer and
-// `remote` copies the written spans over.
+// backend's host proxies). So do "near" ranks, in other processes of the same host (group,
+// JAX_MOE_HOST_GROUP): their buffers are POSIX shared memory that each maps. Ranks in other
+// processes of other hosts are reached through `remote` (ffi/host/remote_peers.h): this rank
+// writes into a staging copy of their buffer and `remote` copies the written spans over.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "ffi/host/page_memory.h"
@@ -24,13 +26,19 @@ struct HostRankState {
   int64_t comm_id = 0;
   int ordinal = 0;
   MoeDims dims{};
-  PageMemory storage;  // the buffer, page-aligned (page_memory.h), 8-byte aligned for its flags
-  size_t storage_bytes = 0;  // of `storage`: whole pages
+  // The buffer (whole pages, page_memory.h): private memory, or the shared-memory object
+  // `shared_name` when near ranks map it (the name is removed once they did, or with the
+  // state).
+  MappedPages storage;
+  std::string shared_name;
   char* buffer = nullptr;
+  // [R] this process's mappings of the near ranks' buffers (empty for the others).
+  std::vector<MappedPages> near;
   // Ranks in other processes; null when every rank is in this process. Declared after
   // `storage` so it closes (and stops writing into the buffer) before the buffer is freed.
   std::unique_ptr<RemotePeers> remote;
-  // [R] every rank's buffer (this one included); a remote rank's staging copy instead.
+  // [R] every rank's buffer (this one included; a near rank's as mapped here); a remote rank's
+  // staging copy instead.
   std::vector<char*> peers;
   std::vector<int32_t> expert_counts;   // scratch [R][L]
   std::vector<int32_t> slot_rank;       // scratch [R][T][K]
@@ -57,16 +65,29 @@ struct HostRankState {
   void record_error(int32_t code, int32_t stage, int32_t detail);
   bool take_error(ErrorRecord* out);
 
+  ~HostRankState();  // removes the name of its shared buffer, if still there
+
  private:
   std::mutex error_mutex_;
   bool has_error_ = false;
   ErrorRecord error_{};
 };
 
-// The functions below throw std::invalid_argument (for the bindings).
-void create_host_rank(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s);
+// The functions below throw std::invalid_argument (for the bindings), std::runtime_error for
+// shared memory the system refuses.
+// `shared`: the buffer is a shared-memory object that near ranks map (host_shared_name).
+void create_host_rank(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s,
+                      bool shared);
+// The name near ranks map the rank's buffer by (create_host_rank with `shared`).
+std::string host_shared_name(int64_t comm_id, int ordinal);
+// Maps the buffer of near rank `peer` (its host_shared_name) into this process for the rank.
+void map_near_rank(int64_t comm_id, int ordinal, int peer, const std::string& name);
+// Removes the name of the rank's shared buffer once every near rank mapped it: nothing is
+// left behind in /dev/shm when a process dies. The mappings stay.
+void unlink_host_shared(int64_t comm_id, int ordinal);
 // Points rank `ordinal` at every rank's buffer: rank p lives on local device ordinals[p], or
-// in another process when ordinals[p] is -1 (then `remote` must have it, connected).
+// in another process when ordinals[p] is -1: a near rank (mapped by map_near_rank) or a
+// remote one (then `remote` must have it, connected).
 void connect_host_rank(int64_t comm_id, int ordinal, const std::vector<int>& ordinals);
 // Threads of the rank's row loops (ffi/host/parallel.h), in [1, 64].
 void set_host_threads(int64_t comm_id, int ordinal, int threads);

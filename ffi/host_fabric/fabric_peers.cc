@@ -1,5 +1,7 @@
 #include "ffi/host_fabric/fabric_peers.h"
 
+#include <algorithm>
+
 #include "ffi/transport/deadline.h"
 #include "ffi/transport/errors.h"
 
@@ -16,6 +18,10 @@ uint32_t tag_of(Signal signal, uint64_t seq) {
   return uint32_t((seq & 0xffff) << 3) | static_cast<uint32_t>(signal);
 }
 
+// How long a write waits for its peer's full transmit queue before the next peer's turn
+// (FabricPeers::drain), and the turns of a wait while writes are deferred.
+constexpr double kPostTurnSeconds = 1e-3;
+
 }  // namespace
 
 FabricPeers::FabricPeers(const transport::Config& config, const MoeDims& dims,
@@ -23,7 +29,9 @@ FabricPeers::FabricPeers(const transport::Config& config, const MoeDims& dims,
     : engine_(config),
       buffer_bytes_(buffer_layout(dims).total),
       staging_index_(dims.world, -1),
-      group_of_(dims.world, -1) {
+      group_of_(dims.world, -1),
+      backlog_(dims.world),
+      unreachable_(dims.world, false) {
   int next_index = 0;
   for (int peer : remote_ranks) {
     if (peer < 0 || peer >= dims.world || peer == int(config.rank) ||
@@ -46,7 +54,7 @@ FabricPeers::FabricPeers(const transport::Config& config, const MoeDims& dims,
   // Each staging copy is address space for a whole buffer with only this rank's extents
   // committed and registered (staging_extents.h).
   staging_stride_ = page_rounded(buffer_bytes_);
-  staging_storage_ = ReservedPages(staging_stride_ * remote_ranks.size());
+  staging_storage_ = MappedPages::reserve(staging_stride_ * remote_ranks.size());
   const std::vector<ByteRange> extents = staging_extents(dims, page_size());
   for (size_t copy = 0; copy < remote_ranks.size(); ++copy) {
     std::vector<Extent> regions;
@@ -128,31 +136,71 @@ bool FabricPeers::post(Signal signal, uint64_t seq,
                        int* failed_peer) {
   const uint32_t tag = tag_of(signal, seq);
   const auto deadline = deadline_after(timeout_s);
+  int failed = -1;
   int peer = -1;
   try {
-    for (peer = 0; peer < int(staging_index_.size()); ++peer) {
+    for (peer = 0; peer < int(backlog_.size()); ++peer) {
       if (!is_remote(peer)) continue;
-      const std::vector<Span>& spans = spans_by_peer[peer];
-      // every post within the call's deadline, not a full engine timeout each
-      if (spans.empty()) {
-        engine_.scatter(group_of_[peer], buffer_region_, {transport::Slice{}}, tag,
-                        seconds_left(deadline));
+      if (unreachable_[peer]) {
+        if (failed < 0) failed = peer;
+        continue;
       }
+      const std::vector<Span>& spans = spans_by_peer[peer];
+      if (spans.empty()) backlog_[peer].push_back({buffer_region_, {}, tag, deadline});
       for (const Span& span : spans) {
         const auto [region, offset] = source_of(peer, span);
-        engine_.scatter(group_of_[peer], region,
-                        {transport::Slice{offset, span.length, span.offset}}, tag,
-                        seconds_left(deadline));
+        backlog_[peer].push_back(
+            {region, transport::Slice{offset, span.length, span.offset}, tag, deadline});
       }
     }
+    peer = -1;
+    drain();
   } catch (const transport::TransportError&) {
-    // The peer being posted to, or the peer of an earlier write that failed and stopped the
-    // engine (remote_peers.h: posts do not wait for completions).
-    const int failed = engine_.failed_peer();
-    *failed_peer = failed >= 0 ? failed : peer;
+    // A span outside the staging extents, or a failed write that stopped the engine
+    // (remote_peers.h: posts do not wait for completions).
+    const int engine_failed = engine_.failed_peer();
+    *failed_peer = engine_failed >= 0 ? engine_failed : peer;
     return false;
   }
-  return true;
+  if (failed < 0) failed = take_newly_unreachable();
+  *failed_peer = failed;
+  return failed < 0;
+}
+
+bool FabricPeers::drain() {
+  bool posted = true;
+  bool deferred = false;
+  while (posted) {
+    posted = false;
+    deferred = false;
+    for (int peer = 0; peer < int(backlog_.size()); ++peer) {
+      std::deque<Deferred>& queue = backlog_[peer];
+      while (!queue.empty()) {
+        const Deferred& write = queue.front();
+        try {
+          engine_.scatter(group_of_[peer], write.region, {write.slice}, write.tag,
+                          kPostTurnSeconds);
+        } catch (const transport::TransportBusy&) {
+          if (transport::Clock::now() >= write.deadline) {
+            unreachable_[peer] = true;
+            if (newly_unreachable_ < 0) newly_unreachable_ = peer;
+            queue.clear();
+          }
+          break;  // its turn is over
+        }
+        queue.pop_front();
+        posted = true;
+      }
+      deferred |= !queue.empty();
+    }
+  }
+  return deferred;
+}
+
+int FabricPeers::take_newly_unreachable() {
+  const int peer = newly_unreachable_;
+  newly_unreachable_ = -1;
+  return peer;
 }
 
 bool FabricPeers::wait(Signal signal, uint64_t seq, const std::vector<uint64_t>& writes,
@@ -162,8 +210,24 @@ bool FabricPeers::wait(Signal signal, uint64_t seq, const std::vector<uint64_t>&
   for (int peer = 0; peer < int(staging_index_.size()); ++peer) {
     if (!is_remote(peer)) continue;
     try {
-      engine_.wait(tag, {{uint32_t(peer), writes[peer]}}, seconds_left(deadline),
-                   "host backend wait");
+      // While writes of this rank are deferred, the wait is cut into turns between which
+      // they are posted again: the peer waited for may be waiting for them.
+      for (;;) {
+        const bool deferred = drain();
+        const int gone = take_newly_unreachable();
+        if (gone >= 0) {
+          *late_peer = gone;
+          return false;
+        }
+        const double left = seconds_left(deadline);
+        try {
+          engine_.wait(tag, {{uint32_t(peer), writes[peer]}},
+                       deferred ? std::min(kPostTurnSeconds, left) : left, "host backend wait");
+          break;
+        } catch (const transport::TransportTimeout&) {
+          if (transport::Clock::now() >= deadline) throw;
+        }
+      }
     } catch (const transport::TransportError&) {
       *late_peer = peer;
       return false;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <utility>
@@ -55,9 +56,29 @@ class FabricPeers : public RemotePeers {
   int buffer_region_ = -1;
   std::vector<int> staging_index_;  // [world] index of the peer's staging copy, -1 if local
   uint64_t staging_stride_ = 0;     // bytes between staging copies: the buffer in whole pages
-  ReservedPages staging_storage_;   // [remote peers][staging_stride_] (page_memory.h)
+  MappedPages staging_storage_;     // reserved [remote peers][staging_stride_] (page_memory.h)
   std::vector<std::vector<Extent>> staging_regions_;  // [copy][extent] (staging_extents.h)
   std::vector<int> group_of_;  // [world] one-member group of a connected remote peer, else -1
+  // Writes are posted through per-peer queues, in order: a write whose peer's transmit queue
+  // is full waits there while the other peers' writes go out (a dead peer must not hold
+  // back the writes its survivors wait for), and is posted again by the next post or wait.
+  struct Deferred {
+    int region;  // engine region of the staging extent (or the buffer, for an empty slice)
+    transport::Slice slice;
+    uint32_t tag;
+    transport::Clock::time_point deadline;  // of the post that queued it
+  };
+  std::vector<std::deque<Deferred>> backlog_;  // [world]
+  // [world] a queued write reached its deadline on the peer's full transmit queue: its
+  // writes are dropped, and every later post names the peer.
+  std::vector<bool> unreachable_;
+  int newly_unreachable_ = -1;  // the first peer found unreachable since the last report
+
+  // Posts the queued writes, each peer for at most a turn of a full transmit queue per pass,
+  // passes repeated while they post anything. Returns whether writes stay queued. Throws
+  // TransportError when the engine failed.
+  bool drain();
+  int take_newly_unreachable();  // -1 when none
 };
 
 }  // namespace jax_moe::host

@@ -480,14 +480,15 @@ void TransferEngine::post_write(const Member& member, void* local, uint64_t leng
       --rail_writes_[member.rail];
       free_contexts_.push_back(context);
     }
-    const std::string reason =
-        ret == -FI_EAGAIN ? "the transmit queue stayed full for " + seconds_text(limit_s) +
-                                " (is the peer alive, and is its address right?)"
-                          : fi_strerror(static_cast<int>(-ret));
-    throw TransportError("rank " + std::to_string(config_.rank) + ": write to rank " +
-                         std::to_string(member.rank) + " (tag " +
-                         std::to_string(immediate_tag(immediate)) + ") could not be posted: " +
-                         reason);
+    const std::string what = "rank " + std::to_string(config_.rank) + ": write to rank " +
+                             std::to_string(member.rank) + " (tag " +
+                             std::to_string(immediate_tag(immediate)) +
+                             ") could not be posted: ";
+    if (ret == -FI_EAGAIN) {
+      throw TransportBusy(what + "the transmit queue stayed full for " + seconds_text(limit_s) +
+                          " (is the peer alive, and is its address right?)");
+    }
+    throw TransportError(what + fi_strerror(static_cast<int>(-ret)));
   }
 }
 
@@ -606,9 +607,9 @@ void TransferEngine::wait(uint32_t tag, const std::vector<std::pair<uint32_t, ui
                      std::to_string(source) + " sent " + std::to_string(received(source)) +
                      " of " + std::to_string(count);
         }
-        throw TransportError("rank " + std::to_string(config_.rank) + ", " + what +
-                             ": timed out after " + seconds_text(limit) + " waiting for tag " +
-                             std::to_string(tag) + ": " + missing);
+        throw TransportTimeout("rank " + std::to_string(config_.rank) + ", " + what +
+                               ": timed out after " + seconds_text(limit) +
+                               " waiting for tag " + std::to_string(tag) + ": " + missing);
       }
     }
     if (poll_once() == 0) std::this_thread::yield();

@@ -107,14 +107,16 @@ class TransferEngine {
   // Posts one write per member (slices[i] for member i) from region `source`, each with the
   // immediate (tag, this rank). Returns once posted; flush() waits for local completion.
   // Posting all of them gives up after timeout_s (0: the engine's timeout) of a full
-  // transmit queue, counted from the call, not per write.
+  // transmit queue, counted from the call, not per write (TransportBusy; the writes before
+  // the one that could not be posted are posted).
   void scatter(int group, int source, const std::vector<Slice>& slices, uint32_t tag,
                double timeout_s = 0);
   // Writes the immediate (tag, this rank) to every member, then waits for (tag, member)
   // from every member; the posts and the wait share one timeout_s.
   void barrier(int group, uint32_t tag, double timeout_s);
   // Waits until (tag, source) arrived counts[i].second times for every (source, count), then
-  // consumes them. Throws naming the stage `what`, the tag and every short source on timeout.
+  // consumes them. Throws naming the stage `what`, the tag and every short source on timeout
+  // (TransportTimeout; nothing is consumed then).
   void wait(uint32_t tag, const std::vector<std::pair<uint32_t, uint64_t>>& counts,
             double timeout_s, const std::string& what);
   // Waits until every write posted so far completed locally (its source may be reused).

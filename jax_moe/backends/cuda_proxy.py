@@ -6,43 +6,27 @@ host), every rank of the communicator exchanges through its host proxy (ffi/cuda
 each half rings a doorbell the proxy thread polls (its waits and bookkeeping), runs a kernel
 that moves the rows in host memory mapped into the device (cuda/proxy_rows.cuh), and rings
 again (flags and posted writes). The proxy runs the host backend's protocol on a host rank
-state with the same (comm id, device ordinal): ranks of one process share host
-memory, ranks in other processes are written through the TransferEngine (libfabric;
-JAX_MOE_HOST_PROVIDER and JAX_MOE_HOST_NODE choose the provider, backends/host_remote.py).
-A communicator uses one path for all its peers: NVLink for some peers and the proxy for the
-others (several GPUs per node across nodes) is not built yet.
+state with the same (comm id, device ordinal): ranks of one process, and of other processes
+of the same host (backends/hosts.py), share host memory; ranks on other hosts are written
+through the TransferEngine (libfabric; JAX_MOE_HOST_PROVIDER and JAX_MOE_HOST_NODE choose the
+provider, backends/host_remote.py). So one communicator has both kinds of peers, but its
+same-host peers' rows go through host memory: NVLink for them (the rows in device memory,
+written through CUDA IPC) is not built yet.
 """
 
 from __future__ import annotations
 
-import itertools
-import socket
-
-import jax
-
 from jax_moe import settings
-from jax_moe.backends import host_remote
+from jax_moe.backends import host_remote, hosts
 from jax_moe.backends.cuda_ranks import cuda_module
-from jax_moe.backends.ranks import KV_TIMEOUT_MS, RankStates, distributed_client
-
-_host_checks = itertools.count(1)  # the same sequence in every process, like comm ids
+from jax_moe.backends.ranks import RankStates
 
 
 def spans_hosts(groups, owner: str) -> bool:
-  """True when the devices of `groups` belong to processes on more than one host.
-
-  Processes publish their host name in the jax.distributed key-value store; only meshes that
-  span processes ask (every process of the mesh must build the communicator).
-  """
-  processes = sorted({d.process_index for d in groups.flat})
-  if processes == [jax.process_index()]:
-    return False
-  client = distributed_client(owner)
-  check = next(_host_checks)
-  key = lambda process: f"jax_moe/cuda/hosts/{check}/{process}"  # noqa: E731
-  client.key_value_set(key(jax.process_index()), socket.gethostname())
-  names = {client.blocking_key_value_get(key(p), KV_TIMEOUT_MS) for p in processes}
-  return len(names) > 1
+  """True when the devices of `groups` belong to processes of more than one host
+  (backends/hosts.py)."""
+  processes = {d.process_index for d in groups.flat}
+  return len(set(hosts.host_of(processes, owner).values())) > 1
 
 
 def use_proxy(groups, owner: str) -> bool:
@@ -63,11 +47,11 @@ class ProxyRanks(RankStates):
     super().__init__(self._take_error, self._destroy)
     self._native = module
 
-    def create(comm_id: int, ordinal: int, rank: int) -> None:
+    def create(comm_id: int, ordinal: int, rank: int, shared: bool) -> None:
       module.cuda_create_rank(comm_id=comm_id, ordinal=ordinal, proxy=True,
                               stream_wait=settings.proxy_wait() == "stream", **sizes(rank))
       try:
-        module.host_create_rank(comm_id=comm_id, ordinal=ordinal, **sizes(rank))
+        module.host_create_rank(comm_id=comm_id, ordinal=ordinal, shared=shared, **sizes(rank))
       except BaseException:
         module.cuda_destroy_rank(comm_id, ordinal)
         raise

@@ -8,10 +8,12 @@ their own (ffi/protocol/nvlink_layout.h). XLA runs each CPU device's program on 
 thread; ranks of one process share memory and write straight into each other's buffers,
 signalling with sequence flags; every wait has a timeout (JAX_MOE_TIMEOUT_S, default 10 s).
 
-Ranks in other processes (a mesh over jax.distributed) are reached through one
-TransferEngine per rank (ffi/host_fabric/, bootstrapped by backends/host_remote.py): a rank
-writes into a staging copy of the remote buffer and posts the written spans as RMA writes
-whose immediates the receiver counts. That needs a build with libfabric.
+Ranks in other processes (a mesh over jax.distributed) of the same host (backends/hosts.py)
+share memory too: their buffers are POSIX shared memory each maps. Ranks on other hosts are
+reached through one TransferEngine per rank (ffi/host_fabric/, bootstrapped by
+backends/host_remote.py): a rank writes into a staging copy of the remote buffer and posts the
+written spans as RMA writes whose immediates the receiver counts. That needs a build with
+libfabric.
 """
 
 from __future__ import annotations
@@ -81,8 +83,9 @@ class HostBackend(NativeBackend):
     _ordered_ffi().drop_failed_token()
     return super().check()
 
-  def _create_rank(self, comm_id: int, ordinal: int, rank: int) -> None:
-    native.load().host_create_rank(comm_id=comm_id, ordinal=ordinal, **self._rank_sizes(rank))
+  def _create_rank(self, comm_id: int, ordinal: int, rank: int, shared: bool) -> None:
+    native.load().host_create_rank(comm_id=comm_id, ordinal=ordinal, shared=shared,
+                                   **self._rank_sizes(rank))
 
   def _call(self, target: str, result_types, *args):
     _ordered_ffi().drop_failed_token()

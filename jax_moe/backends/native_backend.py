@@ -58,8 +58,8 @@ def moe_dims(cfg: MoEConfig, world: int, rank: int = 0):
 
 class NativeBackend:
   """Subclasses set `name` and provide `_make_ranks(mesh, axis)` (a RankStates with comm_id,
-  check and close), `_create_rank(comm_id, ordinal, rank)` and `_call(target, result_types,
-  *args)`."""
+  check and close, whose rank states take their sizes from `_rank_sizes`) and
+  `_call(target, result_types, *args)`."""
 
   name: str
 

@@ -103,6 +103,7 @@ from support.checks import (_scaled_y, assert_bitwise_equal, assert_combine_with
 from support.moe_runner import (AXIS, DISPATCH_FIELDS, RunResult, Runner, Setup,  # noqa: E402
                         make_inputs)
 from jax_moe import settings  # noqa: E402
+from jax_moe.backends import hosts  # noqa: E402
 from jax_moe.sharding import shard_map  # noqa: E402
 
 
@@ -272,8 +273,10 @@ def run_job(args):
             f"({time.monotonic() - started:.1f} s)")
     barrier("finished")  # no peer still writes into this process's buffers
     runner.comm.close()
-    if setup.backend == "host" or (setup.backend == "cuda" and settings.force_remote()):
-        errors += close_leaves_no_threads(setup, mesh)
+    spans_hosts = len(set(hosts.host_of(range(args.num_processes), "mp_worker").values())) > 1
+    if setup.backend == "host" or (setup.backend == "cuda" and
+                                   (settings.force_remote() or spans_hosts)):
+        errors += close_leaves_no_threads(setup, mesh, spans_hosts)
     return errors
 
 
@@ -281,19 +284,21 @@ def thread_count():
     return len(os.listdir("/proc/self/task"))
 
 
-def close_leaves_no_threads(setup, mesh):
-    """A host communicator over processes starts threads (one TransferEngine progress thread
-    per local rank; a cuda one through host proxies also a proxy thread per GPU); close()
-    must end every one. Measured after the job ran, so the threads
-    JAX starts lazily exist already."""
+def close_leaves_no_threads(setup, mesh, spans_hosts):
+    """A host communicator over processes of several hosts starts threads (one TransferEngine
+    progress thread per local rank); a cuda one through host proxies a proxy thread per GPU
+    too; over processes of one host, a host communicator starts none (shared memory).
+    close() must end every one. Measured after the job ran, so the threads JAX starts lazily
+    exist already."""
     before = thread_count()
     comm = jm.Communicator(setup.config(), mesh, axis=AXIS, backend=setup.backend)
     opened = thread_count()
     comm.close()
     closed = thread_count()
-    if opened <= before or closed != before:
+    starts = spans_hosts or setup.backend == "cuda"
+    if (opened > before) != starts or closed != before:
         return [f"threads: {before} before a {setup.backend} communicator, {opened} with it, {closed} "
-                "after close() (must be more, then the same as before)"]
+                f"after close() (must be {'more' if starts else 'the same'}, then the same as before)"]
     return []
 
 

@@ -24,15 +24,16 @@ PROMPTS = ("5,9,3", "1,2,3,4,5,6,7", "11", "8,8,8,8")  # four sequences of four 
 JOB_TIMEOUT_S = 240
 
 
-def _run(folder: Path, argvs, extra_env=()):
-  """One `jax-moe <argv>` process per argv on GPU 0; [(exit code, stdout, stderr)]."""
+def _run(folder: Path, argvs, extra_env=(), hosts=None):
+  """One `jax-moe <argv>` process per argv on GPU 0; [(exit code, stdout, stderr)]. hosts[i]:
+  the host process i stands for."""
   env = dict(os.environ, CUDA_VISIBLE_DEVICES="0", XLA_PYTHON_CLIENT_PREALLOCATE="false",
              PYTHONUNBUFFERED="1", JAX_MOE_TIMEOUT_S="30")
   env.update(extra_env)
-  return launch(WORKER, folder, argvs, env, JOB_TIMEOUT_S, cwd=REPO)[0]
+  return launch(WORKER, folder, argvs, env, JOB_TIMEOUT_S, cwd=REPO, hosts=hosts)[0]
 
 
-def _generate(folder, model, processes, extra_args=(), extra_env=()):
+def _generate(folder, model, processes, extra_args=(), extra_env=(), hosts=None):
   """The JSON of process 0, after every process exited 0."""
   args = ["generate", "--model", model, "--dtype", "f32", "--backend", "cuda", "--json",
           "--ignore-eos", "--max-new-tokens", "8", *extra_args]
@@ -43,7 +44,7 @@ def _generate(folder, model, processes, extra_args=(), extra_env=()):
            args + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
                    "--process-id", str(i), "--init-timeout", "90"] for i in range(processes)]
   started = time.monotonic()
-  results = _run(folder, argvs, extra_env)
+  results = _run(folder, argvs, extra_env, hosts)
   report = "\n".join(f"process {i}: exit {code}\n{out[-1500:]}\n{err[-3000:]}"
                      for i, (code, out, err) in enumerate(results))
   assert [code for code, _, _ in results] == [0] * processes, report
@@ -75,8 +76,10 @@ def test_two_processes_through_the_host_proxies_give_one_process_tokens(one_proc
   if not host_remote.available():
     pytest.skip("the host proxies reach other processes only in builds with libfabric")
   model, want = one_process
-  got = _generate(tmp_path / f"{model}-2proc-proxy", model, 2,
-                  extra_env=SHM + (("JAX_MOE_FORCE_REMOTE", "1"),))
+  # Two processes standing for two hosts: the mesh spans hosts, so the cuda backend goes
+  # through its proxies, which reach each other through the TransferEngine.
+  got = _generate(tmp_path / f"{model}-2proc-proxy", model, 2, extra_env=SHM,
+                  hosts=("host0", "host1"))
   assert got["tokens"] == want["tokens"]
 
 

@@ -15,6 +15,10 @@ devices and on 4 x 2 (a worker then checks all its ranks; ranks of one process s
 the others are reached through the TransferEngine over shm or tcp;ofi_rxm), including a job
 (tcp) whose second process SIGKILLs itself mid-run and whose survivor must raise CommError in
 time and exit cleanly.
+
+Processes of the host and proxy jobs stand for hosts of their own (JAX_MOE_HOST_GROUP), so
+they meet through the TransferEngine; the jobs with TWO_HOSTS put two processes on each of two
+hosts (shared memory within a host), and one host job puts both processes on one host.
 """
 
 import dataclasses
@@ -46,6 +50,9 @@ class Job:
     worker: Path = WORKER  # the script each process runs (same command-line contract)
     env: tuple = ()  # (name, value) pairs set for the workers
     killed: int | None = None  # the process that SIGKILLs itself (--kill-process)
+    # The host process i stands for (JAX_MOE_HOST_GROUP; backends/hosts.py); None: this
+    # machine's, one host for all.
+    hosts: tuple | None = None
 
     @property
     def num_processes(self):
@@ -79,11 +86,22 @@ CPU_JOBS = (
                                         "--reduce", "source")),
 )
 
+def apart(jobs):
+    """`jobs` with every process standing for a host of its own where a job names no hosts:
+    ranks in other processes are then reached through the TransferEngine, not shared memory."""
+    own = lambda job: tuple(f"host{i}" for i in range(job.num_processes))  # noqa: E731
+    return tuple(job if job.hosts else dataclasses.replace(job, hosts=own(job)) for job in jobs)
+
+
+# Two hosts of two processes each: a rank has ranks in its process, near ranks (the other
+# process of its host: shared memory) and remote ranks (the other host: the TransferEngine).
+TWO_HOSTS = ("a", "a", "b", "b")
 HOST_2X4 = ("--platform", "cpu", "--backend", "host", "--devices-per-process", "4")
+HOST_4X2 = ("--platform", "cpu", "--backend", "host", "--devices-per-process", "2")
 SHM = (("JAX_MOE_HOST_PROVIDER", "shm"),)
 TCP = (("JAX_MOE_HOST_PROVIDER", "tcp;ofi_rxm"), ("JAX_MOE_HOST_NODE", "127.0.0.1"))
 # Every job runs every routing scenario (skewed, -1 slots, num_tokens < max_tokens, ...).
-HOST_JOBS = (
+HOST_JOBS = apart((
     Job("host-2x4-shm-fp8-source-padding16", (0, 0),
         HOST_2X4 + ("--dispatch", "fp8", "--reduce", "source", "--expert-padding", "16"),
         timeout_s=90, env=SHM),
@@ -97,13 +115,12 @@ HOST_JOBS = (
                     "--partial-dtype", "bfloat16"), timeout_s=90, env=TCP),
     # Remote ranks in three other processes.
     Job("host-4x2-shm-fp8-source-split", (0, 0, 0, 0),
-        ("--platform", "cpu", "--backend", "host", "--devices-per-process", "2",
-         "--dispatch", "fp8", "--reduce", "source", "--split"), timeout_s=90, env=SHM),
+        HOST_4X2 + ("--dispatch", "fp8", "--reduce", "source", "--split"), timeout_s=90,
+        env=SHM),
     # Three rails (NICs) per engine, peers sharded across them (transfer_engine.h); shm
     # endpoints stand in for the NICs.
     Job("host-4x2-shm-3rails-bf16-expert", (0, 0, 0, 0),
-        ("--platform", "cpu", "--backend", "host", "--devices-per-process", "2",
-         "--dispatch", "bf16", "--reduce", "expert"), timeout_s=90,
+        HOST_4X2 + ("--dispatch", "bf16", "--reduce", "expert"), timeout_s=90,
         env=SHM + (("JAX_MOE_HOST_DOMAINS", "shm,shm,shm"),)),
     # World 16: the merge gap of the rows' writes shrinks past world 8 (remote_spans.h).
     Job("host-2x8-shm-fp8-expert", (0, 0),
@@ -119,13 +136,24 @@ HOST_JOBS = (
     # spinning inside fi_cq_read / fi_writemsg for ever (seen in about 1 run of 10).
     Job("host-2x4-tcp-peer-killed", (0, 0), HOST_2X4 + ("--kill-process", "1"),
         timeout_s=60, env=TCP + (("JAX_MOE_TIMEOUT_S", "5"),), killed=1),
-)
+    # One host: every rank of the other process is near (shared memory, no TransferEngine).
+    Job("host-1host-2x4-bf16-source-split", (0, 0),
+        HOST_2X4 + ("--dispatch", "bf16", "--reduce", "source", "--split"), timeout_s=90,
+        hosts=("a", "a")),
+    Job("host-2hosts-4x2-shm-fp8-expert-bf16partials", (0, 0, 0, 0),
+        HOST_4X2 + ("--dispatch", "fp8", "--reduce", "expert", "--partial-dtype", "bfloat16"),
+        timeout_s=90, env=SHM, hosts=TWO_HOSTS),
+    # The killed process is near to process 0 (which waits on its flags in shared memory) and
+    # remote to processes 2 and 3 (which wait on its writes).
+    Job("host-2hosts-4x2-tcp-near-peer-killed", (0, 0, 0, 0), HOST_4X2 + ("--kill-process", "1"),
+        timeout_s=60, env=TCP + (("JAX_MOE_TIMEOUT_S", "5"),), killed=1, hosts=TWO_HOSTS),
+))
 
 # The cuda backend with every peer forced remote (JAX_MOE_FORCE_REMOTE=1): each process's GPU
 # exchanges through its host proxy, whose host exchange reaches the other processes through
 # the TransferEngine (shm or tcp;ofi_rxm); the rows move in host memory mapped into the GPU.
 FORCE_REMOTE = (("JAX_MOE_FORCE_REMOTE", "1"),)
-PROXY_JOBS = (
+PROXY_JOBS = apart((
     Job("ep2-1perGPU-forced-remote-shm-fp8-source-padding16", (0, 1),
         ("--dispatch", "fp8", "--reduce", "source", "--expert-padding", "16"),
         timeout_s=120, env=SHM + FORCE_REMOTE),
@@ -158,7 +186,14 @@ PROXY_JOBS = (
     Job("ep4-1GPU-forced-remote-shm-2rails-bf16-source", (0, 0, 0, 0),
         ("--dispatch", "bf16", "--reduce", "source"), timeout_s=150,
         env=SHM + FORCE_REMOTE + (("JAX_MOE_HOST_DOMAINS", "shm,shm"),)),
-)
+    # Two hosts (not forced: the mesh spans host groups): one communicator whose proxies share
+    # host memory with the other process of their host and write to the other host.
+    Job("ep4-1GPU-2hosts-shm-fp8-expert-bf16partials", (0, 0, 0, 0),
+        ("--dispatch", "fp8", "--reduce", "expert", "--partial-dtype", "bfloat16"),
+        timeout_s=150, env=SHM, hosts=TWO_HOSTS),
+    Job("ep4-1GPU-2hosts-tcp-near-peer-killed", (0, 0, 0, 0), ("--kill-process", "1"),
+        timeout_s=60, env=TCP + (("JAX_MOE_TIMEOUT_S", "5"),), killed=1, hosts=TWO_HOSTS),
+))
 
 
 def cuda_device_count():
@@ -177,6 +212,8 @@ def start_worker(job, process_id, port, folder):
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_MOE_TIMEOUT_S="20",
                PYTHONUNBUFFERED="1")
     env.update(job.env)
+    if job.hosts:
+        env["JAX_MOE_HOST_GROUP"] = job.hosts[process_id]
     with open(folder / f"stdout{process_id}.txt", "w") as out, \
             open(folder / f"stderr{process_id}.txt", "w") as err:
         return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=err,

@@ -11,18 +11,20 @@ from benchmarks.processes import free_loopback_port, wait_all
 __all__ = ["free_loopback_port", "launch", "wait_all"]
 
 
-def launch(script: Path, folder: Path, argvs, env, timeout_s: float, cwd=None):
+def launch(script: Path, folder: Path, argvs, env, timeout_s: float, cwd=None, hosts=None):
     """Runs `python script *argv` for every argv at once (cwd: `folder` unless given), each
     with its stdout and stderr in `folder`; returns [(exit code, or None if killed at the
-    limit, stdout, stderr)] and the seconds each ran (None if killed)."""
+    limit, stdout, stderr)] and the seconds each ran (None if killed). hosts[i]: the host
+    process i stands for (JAX_MOE_HOST_GROUP; None: the machine's)."""
     folder.mkdir(parents=True, exist_ok=True)
     processes, files = [], []
     started = time.monotonic()
     for i, argv in enumerate(argvs):
         out, err = open(folder / f"stdout{i}.txt", "w"), open(folder / f"stderr{i}.txt", "w")
         files += [out, err]
+        own = env if hosts is None else dict(env, JAX_MOE_HOST_GROUP=hosts[i])
         processes.append(subprocess.Popen([sys.executable, str(script), *argv],
-                                          cwd=cwd or folder, env=env, stdout=out, stderr=err,
+                                          cwd=cwd or folder, env=own, stdout=out, stderr=err,
                                           stdin=subprocess.DEVNULL))
     ended = {}
     deadline = started + timeout_s
