@@ -90,7 +90,7 @@ for step in "${steps[@]}"; do
   case $step in
     tests) suite gpu_default 150 tests/gpu/test_cuda_backend.py ;;
     mp) suite multiprocess 420 -rs tests/gpu/test_multiprocess.py ;;
-    mp1) suite multiprocess_1gpu 300 -rs tests/gpu/test_multiprocess.py -k 1GPU ;;
+    mp1) suite multiprocess_1gpu 420 -rs tests/gpu/test_multiprocess.py -k 1GPU ;;
     parity)
       suite parity_cuda 240 tests/test_parity.py tests/test_runtime_errors.py -k cuda
       suite quantization_gpu 60 tests/test_quantization.py ;;

@@ -14,8 +14,9 @@ first.
 
 writes {"ok": bool, "errors": [...], ...} to --out and exits 0 only when ok.
 --platform cpu runs the same job on CPU devices (no GPU needed): --backend xla (default;
-checks this script itself) or host (ranks of one process share memory, ranks of other
-processes are reached through the TransferEngine), --devices-per-process of them each.
+checks this script itself) or host (ranks of one process share memory, so do ranks of
+processes of one host, JAX_MOE_HOST_GROUP; ranks on other hosts are reached through the
+TransferEngine), --devices-per-process of them each.
 --kill-process I: process I SIGKILLs itself as soon as its first run is launched; the
 others must see that run end in CommError within JAX_MOE_TIMEOUT_S + 5 s.
 """
