@@ -110,6 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--trace-iters", type=int, default=0,
                  help="also trace this many fused steps in each process (jax.profiler, CUPTI) "
                       "and report every kernel's device time (0: no trace)")
+  p.add_argument("--one-host", action="store_true",
+                 help="the two processes count as one host (JAX_MOE_HOST_GROUP): the timed "
+                      "backend's ranks share memory instead of writing through the "
+                      "TransferEngine (the raw engine's loops still use it)")
   p.add_argument("--no-xla", action="store_true", help="skip the xla backend")
   p.add_argument("--no-nvlink", action="store_true",
                  help="--platform cuda: skip the cuda backend over CUDA IPC")
@@ -160,11 +164,12 @@ def run_provider(provider: str, config: dict, args, folder: Path,
   env = dict(os.environ, JAX_MOE_HOST_PROVIDER=provider, JAX_MOE_HOST_NODE=PROVIDERS[provider],
              JAX_MOE_TIMEOUT_S=str(args.timeout_s), PYTHONUNBUFFERED="1", **(extra_env or {}))
   results = [folder / f"result{i}.json" for i in range(2)]
-  # Each worker stands for a host of its own (JAX_MOE_HOST_GROUP): their ranks then meet
-  # through the TransferEngine, the path measured here, not through shared memory.
+  # Each worker stands for a host of its own (JAX_MOE_HOST_GROUP), so their ranks meet
+  # through the TransferEngine, unless --one-host puts them on one host (shared memory).
+  hosts = ["host0", "host0"] if args.one_host else ["host0", "host1"]
   workers = [subprocess.Popen([sys.executable, str(WORKER), str(config_path), str(i), str(port),
                                str(results[i])], cwd=REPO_ROOT,
-                              env=dict(env, JAX_MOE_HOST_GROUP=f"host{i}"),
+                              env=dict(env, JAX_MOE_HOST_GROUP=hosts[i]),
                               stdin=subprocess.DEVNULL)
              for i in range(2)]
   codes = wait_all(workers, args.worker_timeout_s)
@@ -354,7 +359,8 @@ def main(argv=None) -> int:
             "platform": args.platform, "backend": BACKENDS[args.platform], "gpus": args.gpus,
             "others": (["cuda"] if args.platform == "cuda" and not args.no_nvlink else [])
             + ([] if args.no_xla else ["xla"]),
-            "pin": args.platform == "cpu" and not args.no_pin, "mps": args.mps}
+            "pin": args.platform == "cpu" and not args.no_pin, "mps": args.mps,
+            "one_host": args.one_host}
   rows, failures, per_provider = [], [], {}
   for provider in args.providers:
     print(f"== {provider}", flush=True)
