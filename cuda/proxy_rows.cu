@@ -38,17 +38,31 @@ __device__ inline char* self_token(const ProxyRowsView& v, int t) {
   return v.self + self_layout(v.dims).tokens + size_t(t) * token_bytes(v.dims);
 }
 
+// Rank p's buffer where this rank writes its rows and combine terms for p: p's device buffer
+// when p is on this host and the rows stay in device memory, else p's host buffer (or this
+// rank's staging copy of it).
+__device__ inline char* rows_of(const ProxyRowsView& v, int p) {
+  char* device = v.near_rows != nullptr ? v.near_rows[p] : nullptr;
+  return device != nullptr ? device : v.peers[p];
+}
+
+// This rank's buffer where the rows and combine terms of rank p land: its device buffer when
+// p is on this host and the rows stay in device memory, else its host buffer.
+__device__ inline char* rows_from(const ProxyRowsView& v, int p) {
+  return v.near_rows != nullptr && v.near_rows[p] != nullptr ? v.rows : v.buffer;
+}
+
 // Token t's row slot of source `src` as this rank's receive side reads it: device memory for
-// its own tokens, the host buffer's recv_tokens[src][t] for the others'.
+// its own tokens, recv_tokens[src][t] of rows_from(src) for the others'.
 __device__ inline const char* received_token(const ProxyRowsView& v, const BufferLayout& lay,
                                              int src, int t) {
   if (src == v.dims.rank) return self_token(v, t);
-  return token_slot(v.buffer, lay, v.dims, src, t);
+  return token_slot(rows_from(v, src), lay, v.dims, src, t);
 }
 
 // Where the combine term of this rank for source `src` lands: part[me][t] (expert mode,
-// `index` = t) or comb[t][k] (source mode, `index` = t * K + k) of src's buffer, or of `self`
-// when src is this rank.
+// `index` = t) or comb[t][k] (source mode, `index` = t * K + k) of rows_of(src), or of
+// `self` when src is this rank.
 __device__ inline char* combine_term(const ProxyRowsView& v, const BufferLayout& lay, int src,
                                      size_t index) {
   const MoeDims& d = v.dims;
@@ -56,7 +70,7 @@ __device__ inline char* combine_term(const ProxyRowsView& v, const BufferLayout&
                                            : size_t(d.hidden) * 2;
   if (src == d.rank) return v.self + self_layout(d).combine + index * row_bytes;
   const size_t region = d.reduce_expert ? partial_block(lay, d, d.rank) : lay.combine;
-  return v.peers[src] + region + index * row_bytes;
+  return rows_of(v, src) + region + index * row_bytes;
 }
 
 template <typename F>
@@ -64,7 +78,7 @@ __device__ inline void for_each_rank(uint64_t mask, F f) {
   for (; mask; mask &= mask - 1) f(__ffsll(static_cast<long long>(mask)) - 1);
 }
 
-// Token t's row into token_slot(peers[p], me, t) of every rank p of `mask` (its layout:
+// Token t's row into token_slot(rows_of(p), me, t) of every rank p of `mask` (its layout:
 // fp8 codes [H] then f32 scales [H/bs] at byte H, or bf16 [H]).
 template <TokenInput kInput>
 __device__ void send_row(const ProxyRowsView& v, const BufferLayout& lay, const void* x,
@@ -72,7 +86,7 @@ __device__ void send_row(const ProxyRowsView& v, const BufferLayout& lay, const 
   const MoeDims& d = v.dims;
   const int H = d.hidden, me = d.rank;
   auto slot = [&](int p) {
-    return p == me ? self_token(v, t) : token_slot(v.peers[p], lay, d, me, t);
+    return p == me ? self_token(v, t) : token_slot(rows_of(v, p), lay, d, me, t);
   };
   if constexpr (kInput == kInputBf16) {
     const uint4* row = static_cast<const uint4*>(x) + size_t(t) * H / 8;
@@ -332,7 +346,7 @@ __global__ void __launch_bounds__(kThreads)
   const int R = d.world, T = d.max_tokens, K = d.topk, H = d.hidden;
   const BufferLayout lay = buffer_layout(d);
   const bool go = !read_volatile(v.aborted) && v.control_copy->go;
-  const char* comb = v.buffer + lay.combine;
+  auto comb = [&](int p) { return rows_from(v, p) + lay.combine; };
   const char* own = v.self + self_layout(d).combine;
   // Terms of token t: source mode, comb[t][k] (bf16 [T][K][H]) of each valid slot with its
   // weight, in k order; expert mode, part[p][t] ([R][T][H]) of each rank p holding one of
@@ -349,7 +363,7 @@ __global__ void __launch_bounds__(kThreads)
         const unsigned mask = __ballot_sync(kFullMask, valid);
         if (valid) {
           const int at = __popc(mask & ((1u << k) - 1));
-          term[at] = (dest == d.rank ? own : comb) + (size_t(t) * K + k) * H * 2;
+          term[at] = (dest == d.rank ? own : comb(dest)) + (size_t(t) * K + k) * H * 2;
           w[at] = topk_weights[t * K + k];
         }
         if (k == 0) count = __popc(mask);
@@ -361,7 +375,7 @@ __global__ void __launch_bounds__(kThreads)
           int n = 0;
           for_each_rank(ranks, [&](int p) {
             term[n++] = p == d.rank ? own + size_t(t) * H * partial_bytes(d)
-                                    : comb + (size_t(p) * T + t) * H * partial_bytes(d);
+                                    : comb(p) + (size_t(p) * T + t) * H * partial_bytes(d);
           });
           count = n;
         }

@@ -1,9 +1,12 @@
 // The row work of the cuda host proxies (ffi/cuda/host_proxy.h) on the GPU: each half of the
 // host protocol (ffi/host/exchange.h, buffer layout ffi/protocol/host_layout.h) runs as a CPU
-// phase of the proxy thread, one of these kernels, and another CPU phase. The kernels read and write
-// the host memory the protocol's buffers live in, mapped into the device: this rank's host
-// buffer, the other local ranks' buffers and the staging copies of the remote ranks (one
-// cudaHostRegister each, at setup). They produce the host backend's bits (docs/semantics.md).
+// phase of the proxy thread, one of these kernels, and another CPU phase. The kernels read and
+// write the host memory the protocol's buffers live in, mapped into the device: this rank's
+// host buffer, the buffers of the other ranks of this host and the staging copies of the
+// remote ranks (one cudaHostRegister each, at setup). Optionally the rows between ranks of
+// one host stay in device memory (ProxyRowsView::near_rows: NVLink or the same GPU); routes
+// and flags stay in host memory, where the proxies' CPU phases read them. The kernels produce
+// the host backend's bits (docs/semantics.md).
 // Host-compilable: launchers and the structs they share with the proxy.
 #pragma once
 
@@ -66,6 +69,12 @@ struct ProxyRowsView {
   char* const* peers;        // device [R]: every rank's host buffer, or this rank's staging
                              // copy of it (remote ranks), as the device maps it
   char* buffer;              // this rank's host buffer, mapped
+  // Where the rows of the ranks of this host go when they stay in device memory (the
+  // rank state's PeerBuffers, JAX_MOE_PROXY_NEAR_ROWS=device): device [R] every rank's device
+  // buffer in the host layout as mapped here (null for ranks on other hosts), and this
+  // rank's. Null when the rows of every rank go through the host buffers.
+  char* const* near_rows;
+  char* rows;
   char* self;                // device [self_layout(dims).total]: rows for this rank itself
   ProxyControl* control;     // mapped: the kernels' words for the CPU
   const ProxyControl* control_copy;  // device: the CPU's words (go, token_count, zero_count)

@@ -55,6 +55,17 @@ def proxy_wait() -> str:
   return text
 
 
+def proxy_near_rows() -> str:
+  """JAX_MOE_PROXY_NEAR_ROWS: where a cuda communicator through host proxies moves the rows
+  between ranks of one host: "host" (default, through their shared host buffers, over PCIe)
+  or "device" (each rank's device buffer, which the others of its host map: NVLink or the
+  same GPU; routes and flags still go through host memory)."""
+  text = os.environ.get("JAX_MOE_PROXY_NEAR_ROWS", "host")
+  if text not in ("host", "device"):
+    raise ValueError(f"JAX_MOE_PROXY_NEAR_ROWS must be 'host' or 'device', got {text!r}")
+  return text
+
+
 MLA_DECODE_CHOICES = ("auto", "pallas", "xla")  # jax_moe.models.mla_decode's implementations
 
 

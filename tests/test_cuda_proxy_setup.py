@@ -34,21 +34,27 @@ def test_switches_refuse_other_values(monkeypatch, name, read, bad):
         read()
 
 
-@pytest.mark.parametrize("value, expected", [(None, "stream"), ("stream", "stream"),
-                                             ("kernel", "kernel")])
-def test_proxy_wait_reads_the_environment(monkeypatch, value, expected):
-    if value is None:
-        monkeypatch.delenv("JAX_MOE_PROXY_WAIT", raising=False)
-    else:
-        monkeypatch.setenv("JAX_MOE_PROXY_WAIT", value)
-    assert settings.proxy_wait() == expected
+# The proxies' choices: (variable, reader, its values with the default first).
+CHOICES = [("JAX_MOE_PROXY_WAIT", settings.proxy_wait, ("stream", "kernel")),
+           ("JAX_MOE_PROXY_NEAR_ROWS", settings.proxy_near_rows, ("host", "device"))]
 
 
-@pytest.mark.parametrize("bad", ["", "spin", "Stream", " stream"])
-def test_proxy_wait_refuses_other_values(monkeypatch, bad):
-    monkeypatch.setenv("JAX_MOE_PROXY_WAIT", bad)
-    with pytest.raises(ValueError, match="JAX_MOE_PROXY_WAIT must be 'stream' or 'kernel'"):
-        settings.proxy_wait()
+@pytest.mark.parametrize("name, read, values", CHOICES)
+def test_proxy_choices_read_the_environment(monkeypatch, name, read, values):
+    monkeypatch.delenv(name, raising=False)
+    assert read() == values[0]
+    for value in values:
+        monkeypatch.setenv(name, value)
+        assert read() == value
+
+
+@pytest.mark.parametrize("name, read, values", CHOICES)
+@pytest.mark.parametrize("bad", ["", "spin", "upper", " padded"])
+def test_proxy_choices_refuse_other_values(monkeypatch, name, read, values, bad):
+    bad = {"upper": values[0].capitalize(), "padded": " " + values[0]}.get(bad.strip(), bad)
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=f"{name} must be '{values[0]}' or '{values[1]}'"):
+        read()
 
 
 def fake_devices(processes):

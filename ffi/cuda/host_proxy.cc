@@ -234,6 +234,8 @@ ProxyRowsView CudaProxy::rows_view(const CommView& v) const {
   r.dims = dims_;
   r.peers = peers_device_;
   r.buffer = buffer_device_;
+  r.near_rows = v.peers;  // PeerBuffers of the rank state: null unless near rows stay on GPUs
+  r.rows = v.local;
   r.self = self_;
   r.control = device_area<ProxyControl>(areas_.control);
   r.control_copy = control_copy_;

@@ -235,7 +235,7 @@ void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, 
 }
 
 void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s,
-                             bool stream_wait) {
+                             bool stream_wait, bool near_rows_device) {
   validate_dims(dims);
   check_timeout(timeout_s);
   // The host exchange of one request may wait twice (for the peers' acknowledgement, then
@@ -244,8 +244,9 @@ void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, 
   // by the stream's wait.
   const uint64_t wait_ns = static_cast<uint64_t>((3 * timeout_s + 1) * 1e9);
   create_state(new_state(comm_id, ordinal, dims, timeout_s),
-               [wait_ns, stream_wait](CudaRankState& s) {
+               [wait_ns, stream_wait, near_rows_device](CudaRankState& s) {
     s.proxy = std::make_unique<CudaProxy>(s.dims, s.ordinal, wait_ns, stream_wait);
+    if (near_rows_device) alloc_peer_buffers(s, buffer_layout(s.dims).total);
   });
 }
 
@@ -255,6 +256,10 @@ void start_rank_proxy(int64_t comm_id, int ordinal) {
   if (!s.proxy)
     throw std::invalid_argument("jax_moe cuda backend: not a proxy rank: " +
                                 key_text(comm_id, ordinal));
+  if (s.peers.local != nullptr && !s.connected)
+    throw std::invalid_argument("jax_moe cuda backend: the device rows of " +
+                                key_text(comm_id, ordinal) +
+                                " are not mapped yet (cuda_connect_rank before the proxy)");
   s.proxy->start(host::find_host_rank(comm_id, ordinal));
   s.connected = true;
 }
@@ -301,6 +306,8 @@ void connect_rank_state(int64_t comm_id, int ordinal, const std::vector<int>& lo
       if (status == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
       else check_cuda(status, "cudaDeviceEnablePeerAccess");
       peers[p] = other.peers.local;
+    } else if (s.proxy && ipc_handles[p].empty()) {
+      peers[p] = nullptr;  // a rank on another host: its rows come through the host buffer
     } else {
       if (ipc_handles[p].size() != sizeof(cudaIpcMemHandle_t))
         throw std::invalid_argument("jax_moe cuda backend: IPC handle of rank " +

@@ -18,8 +18,9 @@ namespace jax_moe {
 
 // The parts of a rank state, one per feature, which CudaRankState holds.
 
-// The buffer every peer maps (NVLink exchange and AllReduce ranks): this rank's buffer, and
-// every rank's buffer as this device addresses it.
+// The buffer every peer maps (NVLink exchange and AllReduce ranks, and proxy ranks whose
+// same-host rows stay in device memory): this rank's buffer, and every rank's buffer as this
+// device addresses it (null for a proxy rank's ranks on other hosts).
 struct PeerBuffers {
   char* local = nullptr;           // this rank's buffer (nvlink_layout or all_reduce_layout)
   char** table_device = nullptr;   // device array [R] of every rank's buffer, mapped here
@@ -79,9 +80,11 @@ void create_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, int ch
 void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, int64_t max_bytes,
                              double timeout_s);
 // The state of a rank whose exchanges go through its host proxy (ffi/cuda/host_proxy.h);
-// `stream_wait`: the stream waits for the proxy with stream memory operations.
+// `stream_wait`: the stream waits for the proxy with stream memory operations;
+// `near_rows_device`: a device buffer in the host layout (peers.local) receives the rows of
+// the ranks of this host, which map it (connect_rank_state, before start_rank_proxy).
 void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s,
-                             bool stream_wait);
+                             bool stream_wait, bool near_rows_device);
 // Starts the proxy of a rank made by create_proxy_rank_state, serving with the host rank
 // state of the same (comm id, ordinal), which must be connected; the rank is then connected.
 void start_rank_proxy(int64_t comm_id, int ordinal);
@@ -90,7 +93,9 @@ std::vector<ProxySample> take_proxy_samples(int64_t comm_id, int ordinal);
 // CUDA IPC handle (64 bytes) of the rank's buffer, for peers in other processes.
 std::string rank_ipc_handle(int64_t comm_id, int ordinal);
 // Maps every rank's buffer: rank p is driven by this process on device local_ordinals[p]
-// (>= 0), or lives in another process and ipc_handles[p] maps it.
+// (>= 0), or lives in another process and ipc_handles[p] maps it. A proxy rank maps only the
+// ranks of its host: an empty handle of a rank in another process marks a rank on another
+// host (no mapping).
 void connect_rank_state(int64_t comm_id, int ordinal, const std::vector<int>& local_ordinals,
                         const std::vector<std::string>& ipc_handles);
 // The stage timestamps of the rank's latest launches, [kClockKernels][grid][kClockMarks]

@@ -69,9 +69,12 @@ FabricPeers::FabricPeers(const transport::Config& config, const MoeDims& dims,
 
 FabricPeers::~FabricPeers() {
   // Posts do not wait for their completions (remote_peers.h), so this rank's last writes may
-  // still be on their way; a peer may be waiting for them, and closing the endpoint would drop
-  // them. Waits for them for at most the engine's timeout (a dead peer's writes fail sooner).
+  // still be queued or on their way; a peer may be waiting for them, and closing the endpoint
+  // would drop them. Posts the queued ones (each until its own deadline) and waits for them
+  // for at most the engine's timeout (a dead peer's writes fail sooner).
   try {
+    while (drain()) {
+    }
     engine_.flush(0);
   } catch (const transport::TransportError&) {
     // A failed or late write: its peer reports it; nothing here can.

@@ -9,16 +9,19 @@ again (flags and posted writes). The proxy runs the host backend's protocol on a
 state with the same (comm id, device ordinal): ranks of one process, and of other processes
 of the same host (backends/hosts.py), share host memory; ranks on other hosts are written
 through the TransferEngine (libfabric; JAX_MOE_HOST_PROVIDER and JAX_MOE_HOST_NODE choose the
-provider, backends/host_remote.py). So one communicator has both kinds of peers, but its
-same-host peers' rows go through host memory: NVLink for them (the rows in device memory,
-written through CUDA IPC) is not built yet.
+provider, backends/host_remote.py). So one communicator has both kinds of peers. The rows
+between ranks of one host go through their host buffers, or, with
+JAX_MOE_PROXY_NEAR_ROWS=device, through device buffers those ranks map (NVLink, or the same
+GPU; CUDA IPC between processes), while routes and flags stay in host memory.
 """
 
 from __future__ import annotations
 
+import jax
+
 from jax_moe import settings
 from jax_moe.backends import host_remote, hosts
-from jax_moe.backends.cuda_ranks import cuda_module
+from jax_moe.backends.cuda_ranks import cuda_module, exchange_ipc_handles
 from jax_moe.backends.ranks import RankStates
 
 
@@ -47,9 +50,12 @@ class ProxyRanks(RankStates):
     super().__init__(self._take_error, self._destroy)
     self._native = module
 
+    near_rows_device = settings.proxy_near_rows() == "device"
+
     def create(comm_id: int, ordinal: int, rank: int, shared: bool) -> None:
       module.cuda_create_rank(comm_id=comm_id, ordinal=ordinal, proxy=True,
-                              stream_wait=settings.proxy_wait() == "stream", **sizes(rank))
+                              stream_wait=settings.proxy_wait() == "stream",
+                              near_rows_device=near_rows_device, **sizes(rank))
       try:
         module.host_create_rank(comm_id=comm_id, ordinal=ordinal, shared=shared, **sizes(rank))
       except BaseException:
@@ -58,13 +64,29 @@ class ProxyRanks(RankStates):
 
     try:
       # One thread: the proxy's CPU phases keep no row loops (the GPU moves the rows).
-      host_remote.connect_host_ranks(self, groups, lambda d: d.local_hardware_id, create, owner,
-                                     1)
+      near = host_remote.connect_host_ranks(self, groups, lambda d: d.local_hardware_id, create,
+                                            owner, 1)
+      if near_rows_device:
+        self._map_near_rows(groups, near, owner)
       for ordinal in self.ordinals:
         module.cuda_start_proxy(self.comm_id, ordinal)
     except BaseException:
       self.close()
       raise
+
+  def _map_near_rows(self, groups, near, owner: str) -> None:
+    """Maps into every local rank the device buffers of the ranks of its host: the other
+    local ranks' (peer access) and the near ranks' (CUDA IPC); ranks on other hosts stay
+    unmapped (their rows come through the host buffers)."""
+    me = jax.process_index()
+    for index, (group, near_g) in enumerate(zip(groups, near)):
+      local = [d.local_hardware_id if d.process_index == me else -1 for d in group]
+      if all(o < 0 for o in local):
+        continue
+      handles = exchange_ipc_handles(self._native, self.comm_id, index, local, near_g, owner)
+      for ordinal in local:
+        if ordinal >= 0:
+          self._native.cuda_connect_rank(self.comm_id, ordinal, local, handles)
 
   def _take_error(self, comm_id: int, ordinal: int):
     """The stream's record first (a proxy that never answered), then the exchange's."""

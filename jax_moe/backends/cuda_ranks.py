@@ -60,20 +60,25 @@ class CudaRanks(RankStates):
       local = [d.local_hardware_id if d.process_index == me else -1 for d in group]
       if all(o < 0 for o in local):
         continue
-      handles = self._exchange_ipc_handles(index, local)
+      others = [rank for rank, ordinal in enumerate(local) if ordinal < 0]
+      handles = exchange_ipc_handles(self._native, self.comm_id, index, local, others,
+                                     self._owner)
       for ordinal in local:
         if ordinal >= 0:
           self._native.cuda_connect_rank(self.comm_id, ordinal, local, handles)
 
-  def _exchange_ipc_handles(self, index: int, local: list[int]) -> list[bytes]:
-    """IPC handles of the ranks in other processes (b"" for ranks of this process)."""
-    if all(o >= 0 for o in local):
-      return [b""] * len(local)
-    client = distributed_client(self._owner)
-    key = lambda rank: f"jax_moe/cuda/{self.comm_id}/{index}/{rank}"  # noqa: E731
-    for rank, ordinal in enumerate(local):
-      if ordinal >= 0:
-        client.key_value_set(key(rank), self._native.cuda_ipc_handle(self.comm_id, ordinal).hex())
-    return [b"" if ordinal >= 0 else
-            bytes.fromhex(client.blocking_key_value_get(key(rank), KV_TIMEOUT_MS))
-            for rank, ordinal in enumerate(local)]
+
+def exchange_ipc_handles(module, comm_id: int, index: int, local: list[int], wanted: list[int],
+                         owner: str) -> list[bytes]:
+  """CUDA IPC handles of the buffers of ranks `wanted` (in other processes) of group `index`;
+  b"" for the others. local[p] is the device ordinal of rank p in this process, else -1;
+  this process publishes its ranks' handles when anyone may want them."""
+  if not wanted:
+    return [b""] * len(local)
+  client = distributed_client(owner)
+  key = lambda rank: f"jax_moe/cuda/{comm_id}/{index}/{rank}"  # noqa: E731
+  for rank, ordinal in enumerate(local):
+    if ordinal >= 0:
+      client.key_value_set(key(rank), module.cuda_ipc_handle(comm_id, ordinal).hex())
+  return [bytes.fromhex(client.blocking_key_value_get(key(rank), KV_TIMEOUT_MS))
+          if rank in wanted else b"" for rank in range(len(local))]

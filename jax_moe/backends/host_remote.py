@@ -37,8 +37,10 @@ def available() -> bool:
   return module is not None and hasattr(module, "host_open_remote")
 
 
-def connect_host_ranks(states, groups, ordinal_of, create, owner: str, threads: int) -> None:
-  """Creates and connects the host rank states of this process's devices in `groups`.
+def connect_host_ranks(states, groups, ordinal_of, create, owner: str,
+                       threads: int) -> list[list[int]]:
+  """Creates and connects the host rank states of this process's devices in `groups`; returns
+  the near ranks of each group (in other processes of this host).
 
   groups[g] lists the devices of group g in rank order; ordinal_of(device) is the key of a
   local device's state; create(comm_id, ordinal, rank, shared) makes one (`shared`: its buffer
@@ -74,6 +76,7 @@ def connect_host_ranks(states, groups, ordinal_of, create, owner: str, threads: 
     for ordinal in ordinals:
       if ordinal >= 0:
         module.host_connect_rank(states.comm_id, ordinal, ordinals)
+  return near
 
 
 def map_near(comm_id: int, group_index: int, local: list[int], near: list[int],

@@ -153,6 +153,7 @@ HOST_JOBS = apart((
 # exchanges through its host proxy, whose host exchange reaches the other processes through
 # the TransferEngine (shm or tcp;ofi_rxm); the rows move in host memory mapped into the GPU.
 FORCE_REMOTE = (("JAX_MOE_FORCE_REMOTE", "1"),)
+NEAR_ROWS_DEVICE = (("JAX_MOE_PROXY_NEAR_ROWS", "device"),)
 PROXY_JOBS = apart((
     Job("ep2-1perGPU-forced-remote-shm-fp8-source-padding16", (0, 1),
         ("--dispatch", "fp8", "--reduce", "source", "--expert-padding", "16"),
@@ -193,6 +194,14 @@ PROXY_JOBS = apart((
         timeout_s=150, env=SHM, hosts=TWO_HOSTS),
     Job("ep4-1GPU-2hosts-tcp-near-peer-killed", (0, 0, 0, 0), ("--kill-process", "1"),
         timeout_s=60, env=TCP + (("JAX_MOE_TIMEOUT_S", "5"),), killed=1, hosts=TWO_HOSTS),
+    # The rows between the processes of a host in device memory (CUDA IPC), not host memory:
+    # two hosts (mixed), and one host (every peer's rows on the GPU; forced through proxies).
+    Job("ep4-1GPU-2hosts-shm-nearrows-device-fp8-source-padding16", (0, 0, 0, 0),
+        ("--dispatch", "fp8", "--reduce", "source", "--expert-padding", "16"), timeout_s=150,
+        env=SHM + NEAR_ROWS_DEVICE, hosts=TWO_HOSTS),
+    Job("ep2-1GPU-1host-nearrows-device-bf16-expert-split", (0, 0),
+        ("--dispatch", "bf16", "--reduce", "expert", "--split"), timeout_s=120,
+        env=FORCE_REMOTE + NEAR_ROWS_DEVICE, hosts=("a", "a")),
 ))
 
 
