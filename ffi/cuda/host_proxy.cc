@@ -12,18 +12,20 @@
 namespace jax_moe {
 namespace {
 
-// The doorbell's op byte: which CPU phase the proxy runs (ffi/host/exchange.h). Each half is
-// its first phase, its kernel (cuda/proxy_rows.cuh), its second phase; in a fused op the send
-// half's second phase and the receive half's first are served for one doorbell (9, 10).
+// The doorbell's op byte: which CPU phase the proxy runs (ffi/host/exchange.h). A send half
+// is its first phase, its kernel (cuda/proxy_rows.cuh), its second phase; in a fused op the
+// send half's second phase and the receive half's first are served for one doorbell (9, 10).
+// A receive half is its first phase and its kernel: its second phase (the acknowledgement)
+// runs at the start of the next request, which the stream rings after the kernel read the
+// rows (CudaProxy::pending_ack_), so it costs no doorbell of its own. The peers need it only
+// before their next send of that kind, and every rank's next request comes before that.
 enum ProxyOp : uint32_t {
   kOpDispatchSend = 1,     // order check, wait for the acknowledgements
   kOpDispatchSendEnd = 2,  // errors the kernel found, publish, post routes and rows
   kOpDispatchRecv = 3,     // wait for routes and rows, the plan of the layout
-  kOpDispatchRecvEnd = 4,  // acknowledge
   kOpCombineSend = 5,      // order check, wait for the acknowledgements
   kOpCombineSendEnd = 6,   // publish, post rows or partials
   kOpCombineRecv = 7,      // wait for rows or partials
-  kOpCombineRecvEnd = 8,   // acknowledge
   kOpDispatchJoint = 9,    // kOpDispatchSendEnd, then kOpDispatchRecv
   kOpCombineJoint = 10,    // kOpCombineSendEnd, then kOpCombineRecv
 };
@@ -38,11 +40,9 @@ const char* proxy_op_name(uint32_t op) {
     case kOpDispatchSend: return "dispatch_send.begin";
     case kOpDispatchSendEnd: return "dispatch_send.end";
     case kOpDispatchRecv: return "dispatch_recv.begin";
-    case kOpDispatchRecvEnd: return "dispatch_recv.end";
     case kOpCombineSend: return "combine_send.begin";
     case kOpCombineSendEnd: return "combine_send.end";
     case kOpCombineRecv: return "combine_recv.begin";
-    case kOpCombineRecvEnd: return "combine_recv.end";
     case kOpDispatchJoint: return "dispatch_send.end+recv.begin";
     case kOpCombineJoint: return "combine_send.end+recv.begin";
     default: return "unknown";
@@ -292,6 +292,11 @@ void CudaProxy::run() {
 void CudaProxy::serve(uint32_t op) {
   host::HostRankState& s = *host_;
   ProxyControl& c = *control_;
+  // The previous receive half's acknowledgement: its kernel is done reading the rows.
+  const Ack ack = pending_ack_;
+  pending_ack_ = Ack::kNone;
+  if (ack == Ack::kDispatch) host::dispatch_recv_end(s);
+  if (ack == Ack::kCombine) host::combine_recv_end(s);
   // A closing phase runs only when its half's opening phase succeeded.
   const bool opened = phase_ok_;
   if (opens_phase(op)) {  // `go` stays 0 unless this phase succeeds (also when it throws)
@@ -317,20 +322,16 @@ void CudaProxy::serve(uint32_t op) {
       phase_ok_ = host::dispatch_recv_begin(s, plan);
       c.token_count = plan.token_count;
       c.zero_count = plan.zero_count;
+      if (phase_ok_) pending_ack_ = Ack::kDispatch;
       break;
     }
-    case kOpDispatchRecvEnd:
-      if (opened) host::dispatch_recv_end(s);
-      break;
     case kOpCombineSend:
       phase_ok_ = host::combine_send_begin(s);
       break;
     case kOpCombineRecv:
     case kOpCombineJoint:
       phase_ok_ = host::combine_recv_begin(s, area<int32_t>(areas_.send_dest));
-      break;
-    case kOpCombineRecvEnd:
-      if (opened) host::combine_recv_end(s);
+      if (phase_ok_) pending_ack_ = Ack::kCombine;
       break;
     default:  // the send halves' closing phases ran above
       break;
@@ -354,10 +355,8 @@ cudaError_t CudaProxy::dispatch_recv(const CommView& v, void* x, float* scales, 
                                      int32_t* slot_rows, Joint joint, cudaStream_t stream) {
   JAX_MOE_RETURN_IF_ERROR(
       begin(v, joint == Joint::kAlone ? kOpDispatchRecv : kOpDispatchJoint, stream));
-  JAX_MOE_RETURN_IF_ERROR(launch_proxy_dispatch_recv(rows_view(v), x, scales, weights,
-                                                     group_sizes, tokens_per_expert, slot_rows,
-                                                     stream));
-  return request(v, kOpDispatchRecvEnd, stream);
+  return launch_proxy_dispatch_recv(rows_view(v), x, scales, weights, group_sizes,
+                                    tokens_per_expert, slot_rows, stream);
 }
 
 cudaError_t CudaProxy::combine_send(const CommView& v, const void* y, const int32_t* slot_rows,
@@ -379,9 +378,7 @@ cudaError_t CudaProxy::combine_recv(const CommView& v, const int32_t* send_dest,
                                           cudaMemcpyDeviceToHost, stream));
   JAX_MOE_RETURN_IF_ERROR(
       begin(v, joint == Joint::kAlone ? kOpCombineRecv : kOpCombineJoint, stream));
-  JAX_MOE_RETURN_IF_ERROR(
-      launch_proxy_combine_recv(rows_view(v), send_dest, topk_weights, out, stream));
-  return request(v, kOpCombineRecvEnd, stream);
+  return launch_proxy_combine_recv(rows_view(v), send_dest, topk_weights, out, stream);
 }
 
 }  // namespace jax_moe

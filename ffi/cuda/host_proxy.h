@@ -12,8 +12,9 @@
 // the remote ranks (cudaHostRegister; the other local ranks' proxies map theirs).
 // One request of the stream (CudaProxy::dispatch_send etc., same arguments as the launchers
 // of cuda/api.cuh) is: ring the doorbell for the half's first CPU phase and wait for it
-// (cuda/proxy.cu), the half's kernel (cuda/proxy_rows.cuh) on the mapped memory, ring for
-// the second CPU phase (in a fused op, together with the receive half's first: Joint).
+// (cuda/proxy.cu), the half's kernel (cuda/proxy_rows.cuh) on the mapped memory, and for a
+// send half ring for the second CPU phase (in a fused op, together with the receive half's
+// first: Joint); a receive half's second phase rides on the next request.
 // Everything is stream-ordered device work with fixed addresses, so it can be captured into a
 // command buffer.
 #pragma once
@@ -135,6 +136,10 @@ class CudaProxy {
   char* buffer_device_ = nullptr;            // the host state's buffer, mapped
   std::vector<void*> registered_;            // host memory this proxy registered
   bool phase_ok_ = false;                    // the last first phase succeeded (proxy thread)
+  // The acknowledgement the last receive half owes its senders, sent at the next request
+  // (proxy thread; host_proxy.cc, ProxyOp).
+  enum class Ack { kNone, kDispatch, kCombine };
+  Ack pending_ack_ = Ack::kNone;
   host::HostRankState* host_ = nullptr;
   std::atomic<bool> stop_{false};
   std::thread thread_;
