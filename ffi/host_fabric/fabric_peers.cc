@@ -1,6 +1,7 @@
 #include "ffi/host_fabric/fabric_peers.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "ffi/transport/deadline.h"
 #include "ffi/transport/errors.h"
@@ -21,6 +22,11 @@ uint32_t tag_of(Signal signal, uint64_t seq) {
 // How long a write waits for its peer's full transmit queue before the next peer's turn
 // (FabricPeers::drain), and the turns of a wait while writes are deferred.
 constexpr double kPostTurnSeconds = 1e-3;
+// A post returns with writes still queued only when every peer they are for has had a full
+// transmit queue for this long (dead or unreachable; a live peer's queue frees a slot as
+// soon as one write completes). Until then it keeps posting, so the writes are on the wire
+// while the caller goes on (split calls overlap them with compute).
+constexpr auto kStuck = std::chrono::milliseconds(50);
 
 }  // namespace
 
@@ -31,6 +37,7 @@ FabricPeers::FabricPeers(const transport::Config& config, const MoeDims& dims,
       staging_index_(dims.world, -1),
       group_of_(dims.world, -1),
       backlog_(dims.world),
+      busy_since_(dims.world),
       unreachable_(dims.world, false) {
   int next_index = 0;
   for (int peer : remote_ranks) {
@@ -157,7 +164,8 @@ bool FabricPeers::post(Signal signal, uint64_t seq,
       }
     }
     peer = -1;
-    drain();
+    while (drain() && !only_stuck_left()) {
+    }
   } catch (const transport::TransportError&) {
     // A span outside the staging extents, or a failed write that stopped the engine
     // (remote_peers.h: posts do not wait for completions).
@@ -184,13 +192,16 @@ bool FabricPeers::drain() {
           engine_.scatter(group_of_[peer], write.region, {write.slice}, write.tag,
                           kPostTurnSeconds);
         } catch (const transport::TransportBusy&) {
-          if (transport::Clock::now() >= write.deadline) {
+          const auto now = transport::Clock::now();
+          if (busy_since_[peer] == transport::Clock::time_point{}) busy_since_[peer] = now;
+          if (now >= write.deadline) {
             unreachable_[peer] = true;
             if (newly_unreachable_ < 0) newly_unreachable_ = peer;
             queue.clear();
           }
           break;  // its turn is over
         }
+        busy_since_[peer] = {};
         queue.pop_front();
         posted = true;
       }
@@ -198,6 +209,16 @@ bool FabricPeers::drain() {
     }
   }
   return deferred;
+}
+
+bool FabricPeers::only_stuck_left() const {
+  const auto now = transport::Clock::now();
+  for (size_t peer = 0; peer < backlog_.size(); ++peer) {
+    if (backlog_[peer].empty()) continue;
+    if (busy_since_[peer] == transport::Clock::time_point{} || now - busy_since_[peer] < kStuck)
+      return false;
+  }
+  return true;
 }
 
 int FabricPeers::take_newly_unreachable() {

@@ -61,7 +61,9 @@ class FabricPeers : public RemotePeers {
   std::vector<int> group_of_;  // [world] one-member group of a connected remote peer, else -1
   // Writes are posted through per-peer queues, in order: a write whose peer's transmit queue
   // is full waits there while the other peers' writes go out (a dead peer must not hold
-  // back the writes its survivors wait for), and is posted again by the next post or wait.
+  // back the writes its survivors wait for). A post returns once its writes are posted, or
+  // only peers stuck for a while are left (fabric_peers.cc, kStuck); their writes are posted
+  // again by the next post or wait.
   struct Deferred {
     int region;  // engine region of the staging extent (or the buffer, for an empty slice)
     transport::Slice slice;
@@ -69,6 +71,9 @@ class FabricPeers : public RemotePeers {
     transport::Clock::time_point deadline;  // of the post that queued it
   };
   std::vector<std::deque<Deferred>> backlog_;  // [world]
+  // [world] since when the first queued write has met a full transmit queue; unset (epoch)
+  // while the peer's writes go out.
+  std::vector<transport::Clock::time_point> busy_since_;
   // [world] a queued write reached its deadline on the peer's full transmit queue: its
   // writes are dropped, and every later post names the peer.
   std::vector<bool> unreachable_;
@@ -78,6 +83,8 @@ class FabricPeers : public RemotePeers {
   // passes repeated while they post anything. Returns whether writes stay queued. Throws
   // TransportError when the engine failed.
   bool drain();
+  // True when every peer with queued writes has had a full transmit queue for kStuck.
+  bool only_stuck_left() const;
   int take_newly_unreachable();  // -1 when none
 };
 
