@@ -17,8 +17,10 @@ def per_rank_bytes(cfg: MoEConfig, axis_size: int, *, chunks: int = 132,
     `chunks` token chunks (MoEConfig.num_sms, by default the device's SM count: 132 on H100
     and H200);
   - "host_buffer": the host backend's (and the cuda host proxies') buffer, plus one staging
-    copy per rank in another process (`remote_ranks`), of which only what this rank writes
-    into that rank's buffer is memory (ffi/host/staging_extents.h);
+    copy per rank on another host (`remote_ranks`; ranks of this host share buffers), of
+    which only what this rank writes into that rank's buffer is memory
+    (ffi/host/staging_extents.h); a cuda proxy rank with JAX_MOE_PROXY_NEAR_ROWS=device holds
+    the buffer once more in device memory;
   - "dispatch_output": the arrays a dispatch returns (rows, scales, weights, counts, slot
     rows), allocated by XLA for each call in flight.
   """

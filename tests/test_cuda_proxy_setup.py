@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jax_moe import settings
-from jax_moe.backends import cuda_proxy, hosts
+from jax_moe.backends import cuda_proxy, cuda_ranks, hosts
 
 
 SWITCHES = [("JAX_MOE_FORCE_REMOTE", settings.force_remote),
@@ -118,3 +118,28 @@ def test_stage_clocks_are_empty_without_the_cuda_kernels(monkeypatch):
     comm = jm.Communicator(cfg, mesh, axis="ep", backend="xla")
     assert comm.stage_clocks() == {}
     comm.close()
+
+
+class FakeModule:
+    """The native module's IPC handle of a local rank: its ordinal, repeated."""
+
+    @staticmethod
+    def cuda_ipc_handle(comm_id, ordinal):
+        return bytes([ordinal]) * 64
+
+
+def test_ipc_handles_are_fetched_only_for_the_wanted_ranks(monkeypatch):
+    """A proxy communicator maps only the device buffers of its host's ranks: ranks on other
+    hosts get no handle (b""), and nothing is asked of the store when none is wanted."""
+    published = {}
+    store = FakeStore({})
+    store.values.update({f"jax_moe/cuda/7/0/{rank}": (bytes([rank]) * 64).hex()
+                         for rank in (2, 3)})
+    store.key_value_set = lambda key, value: published.__setitem__(key, value)
+    monkeypatch.setattr(cuda_ranks, "distributed_client", lambda owner: store)
+    local = [0, 1, -1, -1, -1]  # ranks 0, 1 here; 2, 3 near; 4 on another host
+    handles = cuda_ranks.exchange_ipc_handles(FakeModule, 7, 0, local, [2, 3], "test")
+    assert handles == [b"", b"", bytes([2]) * 64, bytes([3]) * 64, b""]
+    assert published == {f"jax_moe/cuda/7/0/{r}": (bytes([r]) * 64).hex() for r in (0, 1)}
+    monkeypatch.setattr(cuda_ranks, "distributed_client", None)  # not called
+    assert cuda_ranks.exchange_ipc_handles(FakeModule, 7, 0, local, [], "test") == [b""] * 5
