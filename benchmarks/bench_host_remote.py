@@ -112,8 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "and report every kernel's device time (0: no trace)")
   p.add_argument("--one-host", action="store_true",
                  help="the two processes count as one host (JAX_MOE_HOST_GROUP): the timed "
-                      "backend's ranks share memory instead of writing through the "
-                      "TransferEngine (the raw engine's loops still use it)")
+                      "backend's ranks (host backend, or the cuda proxies' host states) share "
+                      "memory instead of writing through the TransferEngine (the raw engine's "
+                      "loops still use it)")
   p.add_argument("--no-xla", action="store_true", help="skip the xla backend")
   p.add_argument("--no-nvlink", action="store_true",
                  help="--platform cuda: skip the cuda backend over CUDA IPC")
@@ -164,12 +165,17 @@ def run_provider(provider: str, config: dict, args, folder: Path,
   env = dict(os.environ, JAX_MOE_HOST_PROVIDER=provider, JAX_MOE_HOST_NODE=PROVIDERS[provider],
              JAX_MOE_TIMEOUT_S=str(args.timeout_s), PYTHONUNBUFFERED="1", **(extra_env or {}))
   results = [folder / f"result{i}.json" for i in range(2)]
-  # Each worker stands for a host of its own (JAX_MOE_HOST_GROUP), so their ranks meet
-  # through the TransferEngine, unless --one-host puts them on one host (shared memory).
-  hosts = ["host0", "host0"] if args.one_host else ["host0", "host1"]
+  # The host backend's workers stand for a host each (JAX_MOE_HOST_GROUP), so their ranks
+  # meet through the TransferEngine; --one-host puts both on one host (shared memory). On GPUs
+  # the processes keep the machine's host (the NVLink comparison needs it) and the proxies'
+  # communicator gives each process a host of its own (benchmarks/methods.py) unless
+  # --one-host sets one for both.
+  hosts = (["host0", "host0"] if args.one_host else
+           ["host0", "host1"] if args.platform == "cpu" else [None, None])
   workers = [subprocess.Popen([sys.executable, str(WORKER), str(config_path), str(i), str(port),
                                str(results[i])], cwd=REPO_ROOT,
-                              env=dict(env, JAX_MOE_HOST_GROUP=hosts[i]),
+                              env=env if hosts[i] is None else
+                              dict(env, JAX_MOE_HOST_GROUP=hosts[i]),
                               stdin=subprocess.DEVNULL)
              for i in range(2)]
   codes = wait_all(workers, args.worker_timeout_s)

@@ -32,7 +32,9 @@ PROBE_NAMES = ("psum", "p2p")
 DTYPES = {"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16}
 # Benchmark names of jax_moe backends built with a setting: "cuda-proxy" is the cuda backend
 # with every peer forced remote (JAX_MOE_FORCE_REMOTE=1 while the Communicator is built), so
-# each GPU exchanges through its host proxy (jax_moe/backends/cuda_proxy.py).
+# each GPU exchanges through its host proxy (jax_moe/backends/cuda_proxy.py); each process
+# then counts as a host of its own (JAX_MOE_HOST_GROUP) unless the caller set a group, so the
+# proxies of processes on one machine reach each other through the TransferEngine.
 FORCED_REMOTE = {"cuda-proxy": "cuda"}
 PARTIAL_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
@@ -131,15 +133,19 @@ def make_communicator(ctx: Context, backend: str, reduce: str, partial_dtype: st
     return jm.Communicator(cfg, ctx.mesh, axis=AXIS, replicated_over=AXIS)
   if backend not in FORCED_REMOTE:
     return jm.Communicator(cfg, ctx.mesh, axis=AXIS, backend=backend)
-  before = os.environ.get("JAX_MOE_FORCE_REMOTE")
-  os.environ["JAX_MOE_FORCE_REMOTE"] = "1"
+  settings = {"JAX_MOE_FORCE_REMOTE": "1",
+              "JAX_MOE_HOST_GROUP": os.environ.get("JAX_MOE_HOST_GROUP")
+              or f"process{jax.process_index()}"}
+  before = {name: os.environ.get(name) for name in settings}
+  os.environ.update(settings)
   try:
     return jm.Communicator(cfg, ctx.mesh, axis=AXIS, backend=FORCED_REMOTE[backend])
   finally:
-    if before is None:
-      del os.environ["JAX_MOE_FORCE_REMOTE"]
-    else:
-      os.environ["JAX_MOE_FORCE_REMOTE"] = before
+    for name, value in before.items():
+      if value is None:
+        del os.environ[name]
+      else:
+        os.environ[name] = value
 
 
 def jax_moe_methods(ctx: Context, comm: jm.Communicator, ops: tuple[str, ...],
