@@ -22,6 +22,8 @@
 #   ep1_cmdbuf  the ep1 decode benchmark (expert mode, bf16 partials) with XLA command buffers
 #            forced on for fusions and custom calls: the launch gaps between a step's kernels
 #            are most of a decode step (docs/perf-notes.md); file suffix -cmdbuf
+#   hmem     whether this machine's libfabric grants FI_HMEM (CUDA memory) with shm and
+#            tcp;ofi_rxm: the TransferEngine's facts, or the provider's refusal
 #   proxy1   bench_host_remote.py --platform cuda --gpus 1 (2 processes share GPU 0 through their
 #            host proxies, shm, decode fp8 expert): once time-sliced, once as clients of a
 #            private MPS daemon (--mps): what the proxy path costs apart from sharing one GPU;
@@ -138,6 +140,18 @@ for step in "${steps[@]}"; do
       echo "bench ep1 cmdbuf: rc=$?"
       tail -14 "$logs/bench_ep1_cmdbuf.log" ;;
     models_mp) suite models_multiprocess 420 -s -rs tests/gpu/test_models_multiprocess.py ;;
+    hmem)
+      for provider in shm "tcp;ofi_rxm"; do
+        timeout -s KILL 30 python3 -c "import sys
+from jax_moe import transport
+try:
+  e = transport.TransferEngine(0, provider=sys.argv[1], node='127.0.0.1', timeout_s=2,
+                               cuda_memory=True)
+  print('hmem', sys.argv[1], 'granted:', e.facts)
+  e.close()
+except Exception as err:
+  print('hmem', sys.argv[1], 'refused:', type(err).__name__, err)" "$provider" 2>&1 | tail -2
+      done ;;
     proxy1)
       for mps in "" --mps; do
         timeout -s KILL 150 python3 benchmarks/bench_host_remote.py --platform cuda --gpus 1 \
