@@ -53,12 +53,14 @@ MappedPages MappedPages::create_shared(const std::string& name, size_t bytes) {
   m.bytes_ = page_rounded(bytes);
   const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, S_IRUSR | S_IWUSR);
   if (fd < 0) fail("shm_open", name, errno);
-  // A new object reads as zeros.
-  if (ftruncate(fd, static_cast<off_t>(m.bytes_)) != 0) {
-    const int error = errno;
+  // A new object reads as zeros. Its pages are allocated now: a /dev/shm too small for them
+  // (a container's default) is an error here, not a SIGBUS at the first write past its end.
+  const int error = posix_fallocate(fd, 0, static_cast<off_t>(m.bytes_));
+  if (error != 0) {
     close(fd);
     shm_unlink(name.c_str());
-    fail("ftruncate", name, error);
+    fail("allocating " + std::to_string(m.bytes_) + " bytes (is /dev/shm large enough?)", name,
+         error);
   }
   try {
     m.data_ = map_shared(fd, m.bytes_, name);
