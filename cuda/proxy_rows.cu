@@ -346,7 +346,6 @@ __global__ void __launch_bounds__(kThreads)
   const int R = d.world, T = d.max_tokens, K = d.topk, H = d.hidden;
   const BufferLayout lay = buffer_layout(d);
   const bool go = !read_volatile(v.aborted) && v.control_copy->go;
-  auto comb = [&](int p) { return rows_from(v, p) + lay.combine; };
   const char* own = v.self + self_layout(d).combine;
   // Terms of token t: source mode, comb[t][k] (bf16 [T][K][H]) of each valid slot with its
   // weight, in k order; expert mode, part[p][t] ([R][T][H]) of each rank p holding one of
@@ -363,7 +362,8 @@ __global__ void __launch_bounds__(kThreads)
         const unsigned mask = __ballot_sync(kFullMask, valid);
         if (valid) {
           const int at = __popc(mask & ((1u << k) - 1));
-          term[at] = (dest == d.rank ? own : comb(dest)) + (size_t(t) * K + k) * H * 2;
+          term[at] = (dest == d.rank ? own : rows_from(v, dest) + lay.combine) +
+                     (size_t(t) * K + k) * H * 2;
           w[at] = topk_weights[t * K + k];
         }
         if (k == 0) count = __popc(mask);
@@ -374,8 +374,8 @@ __global__ void __launch_bounds__(kThreads)
         if (k == 0) {
           int n = 0;
           for_each_rank(ranks, [&](int p) {
-            term[n++] = p == d.rank ? own + size_t(t) * H * partial_bytes(d)
-                                    : comb(p) + (size_t(p) * T + t) * H * partial_bytes(d);
+            term[n++] = (p == d.rank ? own : rows_from(v, p) + partial_block(lay, d, p)) +
+                        size_t(t) * H * partial_bytes(d);
           });
           count = n;
         }

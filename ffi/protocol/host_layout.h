@@ -112,5 +112,4 @@ inline std::array<ByteRange, 3> sender_ranges(const MoeDims& d, int sender) {
               : ByteRange{lay.combine, lay.total - lay.combine}};
 }
 
-
 }  // namespace jax_moe

@@ -104,7 +104,7 @@ from support.checks import (_scaled_y, assert_bitwise_equal, assert_combine_with
 from support.moe_runner import (AXIS, DISPATCH_FIELDS, RunResult, Runner, Setup,  # noqa: E402
                         make_inputs)
 from jax_moe import settings  # noqa: E402
-from jax_moe.backends import hosts  # noqa: E402
+from jax_moe.backends import cuda_proxy  # noqa: E402
 from jax_moe.sharding import shard_map  # noqa: E402
 
 
@@ -274,7 +274,7 @@ def run_job(args):
             f"({time.monotonic() - started:.1f} s)")
     barrier("finished")  # no peer still writes into this process's buffers
     runner.comm.close()
-    spans_hosts = len(set(hosts.host_of(range(args.num_processes), "mp_worker").values())) > 1
+    spans_hosts = cuda_proxy.spans_hosts(mesh.devices, "mp_worker")
     if setup.backend == "host" or (setup.backend == "cuda" and
                                    (settings.force_remote() or spans_hosts)):
         errors += close_leaves_no_threads(setup, mesh, spans_hosts)
