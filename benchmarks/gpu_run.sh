@@ -28,6 +28,9 @@
 #            host proxies, shm, decode fp8 expert): once time-sliced, once as clients of a
 #            private MPS daemon (--mps): what the proxy path costs apart from sharing one GPU;
 #            3 fused steps traced in each process (every kernel's device time)
+#   proxywait  the proxy1 benchmark under MPS only, once for each JAX_MOE_PROXY_WAIT (stream: the
+#            stream waits with cuStreamWaitValue32; kernel: the request kernel spins): what a
+#            request costs the GPU between the proxy's answer and the next doorbell
 #   models_mp  tests/gpu/test_models_multiprocess.py: jax-moe generate with the cuda backend on 2
 #            processes sharing GPU 0 (CUDA IPC, forced through the host proxies, --tp 2) gives
 #            one process's tokens; tokens/s per path in the log (issues 15 and 19)
@@ -162,6 +165,16 @@ except Exception as err:
           > "$logs/proxy1${mps:+-mps}.log" 2>&1
         echo "proxy1 ${mps:-time-sliced}: rc=$?"
         grep -E "^shm|^  |Error|error" "$logs/proxy1${mps:+-mps}.log" | cut -c1-200 | head -40
+      done ;;
+    proxywait)
+      for wait in stream kernel; do
+        JAX_MOE_PROXY_WAIT=$wait timeout -s KILL 150 python3 benchmarks/bench_host_remote.py \
+          --platform cuda --gpus 1 --no-xla --no-nvlink --providers shm --dispatch-dtypes fp8 \
+          --reduce expert --partial-dtype bf16 --phases decode=128 --reps 3 --iters 10 \
+          --short-iters 2 --trace-iters 3 --mps --git-commit "${GIT_COMMIT:-unknown}" \
+          --out "$logs/proxywait-$wait" > "$logs/proxywait-$wait.log" 2>&1
+        echo "proxywait $wait: rc=$?"
+        grep -E "^shm|^  |Error|error" "$logs/proxywait-$wait.log" | cut -c1-200 | head -40
       done ;;
     misuse)
       suite misuse_gpu 120 tests/test_misuse.py
