@@ -93,7 +93,7 @@ profile_ep1() {
 
 for step in "${steps[@]}"; do
   case $step in
-    tests) suite gpu_default 150 tests/gpu/test_cuda_backend.py ;;
+    tests) suite gpu_default 300 tests/gpu/test_cuda_backend.py ;;
     mp) suite multiprocess 420 -rs tests/gpu/test_multiprocess.py ;;
     mp1) suite multiprocess_1gpu 420 -rs tests/gpu/test_multiprocess.py -k 1GPU ;;
     parity)

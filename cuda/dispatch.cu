@@ -698,7 +698,7 @@ struct StagedLayout {
   size_t total;
 };
 
-__device__ inline StagedLayout staged_layout(const MoeDims& d, TokenInput input, int n) {
+JAX_MOE_HD inline StagedLayout staged_layout(const MoeDims& d, TokenInput input, int n) {
   const size_t H = d.hidden, nb = d.hidden / d.block_size;
   StagedLayout s;
   s.in_scales = n * H * (input == kInputFp8 ? 1 : 2);
@@ -866,6 +866,160 @@ dispatch_local_kernel(CommView v, const void* x, const float* x_scales,
   clock_mark(v, kClockDispatch, kMarkRecvDone);
 }
 
+// World 1 at decode sizes: every block one chunk of at most kDecodeSlots slots, expert padding
+// 1. Expert e's segment then starts at the number of slots with a smaller expert, and slot j
+// of expert e is row #{j' valid : (id[j'], j') < (e, j)} (lexicographic; valid: a token's slot
+// with an expert id in [0, E)). So a block ranks its chunk's slots by counting one predicate
+// per slot over all T * K ids, plus one per expert whose group size it writes and one for the
+// total: per-thread counts in registers, a warp reduction each, one barrier. The per-expert
+// histogram, the scan and the ranking that dispatch_local_kernel chains (count -> barrier ->
+// segments -> barrier -> rank -> barrier, ~3.5 us at decode) are gone; the rows are staged and
+// quantized as there, and the layout is the same, bit for bit.
+constexpr int kDecodeSlots = 16;
+constexpr int kDecodeExperts = 4;  // experts whose sizes a block writes: E <= 4 * grid
+constexpr int kDecodeTotal = kDecodeSlots + kDecodeExperts;  // counter of every valid slot
+constexpr int kDecodeCounters = kDecodeTotal + 1;
+
+// Whether launch_dispatch may take dispatch_local_decode_kernel for `input`.
+bool local_decode_fits(const CommView& v, TokenInput input) {
+  const MoeDims& d = v.dims;
+  const int tokens = (d.max_tokens + v.chunks - 1) / v.chunks;  // the largest chunk
+  return d.world == 1 && v.grid == v.chunks && d.expert_padding == 1 &&
+         tokens * d.topk <= kDecodeSlots && d.num_experts <= kDecodeExperts * v.grid &&
+         staged_layout(d, input, tokens).total <= kSendRingBytes;
+}
+
+template <TokenInput kInput, int kCPL>
+__global__ void __launch_bounds__(kExchangeThreads, 1)
+dispatch_local_decode_kernel(CommView v, const void* x, const float* x_scales,
+                             const int32_t* topk_ids, const float* topk_weights,
+                             const int32_t* num_tokens, int32_t* send_dest, void* x_out,
+                             float* scales_out, float* weights_out, int32_t* group_sizes,
+                             int32_t* tokens_per_expert, int32_t* slot_rows) {
+  const MoeDims& d = v.dims;
+  const int K = d.topk, E = d.num_experts, C = d.capacity, lane = lane_id();
+  extern __shared__ __align__(16) int32_t smem[];  // kSendRingBytes: the staged chunk
+  __shared__ int32_t warp_counts[kExchangeWarps][kDecodeCounters];
+  __shared__ int32_t chunk_rows[kDecodeSlots];
+  clock_mark(v, kClockDispatch, kMarkSendStart);
+  const int c = blockIdx.x;  // grid == chunks
+  const int t0 = chunk_begin(v, c), tokens = chunk_begin(v, c + 1) - t0;
+  const StagedLayout staging = staged_layout(d, kInput, tokens);
+  char* ring = reinterpret_cast<char*>(smem);
+  if (tokens > 0) stage_rows<kInput>(d, x, x_scales, t0, tokens, staging, ring);
+  const CallCounts calls = load_call_counts(v, kSeqDispatchSend, kSeqDispatchRecv);
+  const int given = *num_tokens;
+  const int ntok = min(max(given, 0), d.max_tokens), n = ntok * K;
+  const int first = t0 * K, slots = tokens * K;
+  // Warp 0's lane s holds slot first + s as given (its id is checked when it is ranked).
+  int own_id = -1;
+  float own_weight = 0.f;
+  if (block_warp() == 0 && lane < slots && first + lane < n) {
+    own_id = topk_ids[first + lane];
+    own_weight = topk_weights[first + lane];
+  }
+  // Every thread: the chunk's expert ids (a broadcast load; -1 for no row), its experts' ids.
+  int slot_id[kDecodeSlots];
+#pragma unroll
+  for (int s = 0; s < kDecodeSlots; ++s) {
+    const int id = s < slots && first + s < n ? topk_ids[first + s] : -1;
+    slot_id[s] = id < E ? id : -1;
+  }
+  int count[kDecodeCounters] = {};
+  auto add = [&](int j, int id) {
+    if (id < 0 || id >= E) return;
+#pragma unroll
+    for (int s = 0; s < kDecodeSlots; ++s)
+      count[s] += id < slot_id[s] || (id == slot_id[s] && j < first + s);
+#pragma unroll
+    for (int i = 0; i < kDecodeExperts; ++i) count[kDecodeSlots + i] += id == c + i * v.grid;
+    count[kDecodeTotal] += 1;
+  };
+  // Four ids a load where the array is 16-byte aligned, four loads in flight per thread.
+  const int head = (reinterpret_cast<uintptr_t>(topk_ids) & 15) == 0 ? 0 : n;
+  for (int j = threadIdx.x; j < head; j += blockDim.x) add(j, topk_ids[j]);
+  const int quads = (n - head) / 4;
+  const int4* q = reinterpret_cast<const int4*>(topk_ids + head);
+  constexpr int kLoads = 4;
+  for (int i0 = threadIdx.x; i0 < quads; i0 += kLoads * blockDim.x) {
+    int4 w[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u)
+      if (i0 + u * blockDim.x < quads) w[u] = q[i0 + u * blockDim.x];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i >= quads) continue;
+      const int j = head + 4 * i;
+      add(j, w[u].x);
+      add(j + 1, w[u].y);
+      add(j + 2, w[u].z);
+      add(j + 3, w[u].w);
+    }
+  }
+  for (int j = head + 4 * quads + threadIdx.x; j < n; j += blockDim.x) add(j, topk_ids[j]);
+#pragma unroll
+  for (int i = 0; i < kDecodeCounters; ++i) {
+    const int sum = __reduce_add_sync(kFullMask, count[i]);
+    if (lane == 0) warp_counts[block_warp()][i] = sum;
+  }
+  if (tokens > 0) copy_async_wait<0>();  // the staged rows, visible to all after the barrier
+  __syncthreads();
+  // Nothing is written before the order check, so a refused launch leaves no trace but its
+  // error.
+  if (!in_call_order(v, calls, kPhaseBoth, kStageDispatchSend, kStageDispatchRecv)) return;
+  clock_mark(v, kClockDispatch, kMarkCountsSeen);
+  auto block_count = [&](int i) {
+    int sum = 0;
+#pragma unroll
+    for (int w = 0; w < kExchangeWarps; ++w) sum += warp_counts[w][i];
+    return sum;
+  };
+  const int total = block_count(kDecodeTotal);
+  if (c == 0 && threadIdx.x == 0) {
+    if (given != ntok) record_error(v, kBadNumTokens, kStageDispatchSend, given);
+    if (total > C) record_error(v, kCapacityOverflow, kStageDispatchRecv, total);
+  }
+  if (threadIdx.x < kDecodeExperts) {
+    const int e = c + threadIdx.x * v.grid;
+    if (e < E) group_sizes[e] = tokens_per_expert[e] = block_count(kDecodeSlots + threadIdx.x);
+  }
+  for (int r = total + c * blockDim.x + threadIdx.x; r < C; r += v.grid * blockDim.x)
+    weights_out[r] = 0.f;
+  clock_mark(v, kClockDispatch, kMarkSegments);
+  if (block_warp() == 0 && lane < slots) {  // the chunk's slots, as rank_local_chunk does
+    const int j = first + lane;
+    int id = own_id;
+    if (id < -1 || id >= E) {
+      record_error(v, kInvalidExpertId, kStageDispatchSend, id);
+      id = -1;
+    }
+    int row = -1;
+    if (id >= 0) {
+      row = block_count(lane);
+      if (row >= C) row = -2;  // dropped: capacity overflow
+    }
+    slot_rows[j] = row;
+    send_dest[j] = id >= 0 ? 0 : -1;
+    if (row >= 0) weights_out[row] = own_weight;
+    chunk_rows[lane] = row;
+  }
+  if constexpr (kInput == kInputBf16Quantize) quantize_staged<kCPL>(d, staging, tokens, ring);
+  __syncthreads();
+  clock_mark(v, kClockDispatch, kMarkRanked);
+  const size_t rows_at = kInput == kInputBf16Quantize ? staging.out : 0;
+  const size_t scales_at =
+      kInput == kInputBf16Quantize ? staging.out_scales : staging.in_scales;
+  place_staged_chunk(d, reinterpret_cast<const uint4*>(ring + rows_at),
+                     kInput == kInputBf16 ? nullptr
+                                          : reinterpret_cast<const float*>(ring + scales_at),
+                     chunk_rows, tokens, x_out, scales_out);
+  const uint64_t seq = chunk_seq(v, kSeqDispatchSend, c);
+  finish_chunk(v, kSeqDispatchSend, c, seq);
+  finish_chunk(v, kSeqDispatchRecv, c, seq);
+  clock_mark(v, kClockDispatch, kMarkRecvDone);
+}
+
 // Block b handles chunks b, b + grid, ... of each phase it runs. One instance per phase set
 // and send kind, so a profile names the halves apart and each carries only its own code.
 template <int kPhases, TokenInput kInput, int kCPL>
@@ -955,6 +1109,11 @@ struct LocalKernels {
   static DispatchKernel get() { return dispatch_local_kernel<kInput, kCPL>; }
 };
 
+struct LocalDecodeKernels {
+  template <TokenInput kInput, int kCPL>
+  static DispatchKernel get() { return dispatch_local_decode_kernel<kInput, kCPL>; }
+};
+
 // Vectors a lane quantizes per scale block (send_quantized's CPL): block_size / 8 vectors over
 // at most 32 lanes.
 int quantize_cpl(const MoeDims& d) {
@@ -984,13 +1143,17 @@ cudaError_t launch_dispatch(const CommView& view, int phases, TokenInput input, 
                             int32_t* tokens_per_expert, int32_t* slot_rows,
                             cudaStream_t stream) {
   const bool local = phases == kPhaseBoth && view.dims.world == 1;
-  const DispatchKernel kernel = local                  ? pick_send<LocalKernels>(input, view.dims)
+  const bool decode = local && local_decode_fits(view, input);
+  const DispatchKernel kernel = decode  ? pick_send<LocalDecodeKernels>(input, view.dims)
+                                : local ? pick_send<LocalKernels>(input, view.dims)
                                 : phases == kPhaseSend ? pick_send<BufferKernels<kPhaseSend>>(
                                                              input, view.dims)
                                 : phases == kPhaseRecv ? dispatch_kernel<kPhaseRecv, kInputBf16, 1>
                                                        : pick_send<BufferKernels<kPhaseBoth>>(
                                                              input, view.dims);
-  const size_t smem = local ? local_dispatch_smem_bytes(view.dims) : dispatch_smem_bytes(view.dims);
+  const size_t smem = decode  ? kSendRingBytes
+                      : local ? local_dispatch_smem_bytes(view.dims)
+                              : dispatch_smem_bytes(view.dims);
   // Above 48 KiB a kernel must opt in (per device; cheap, and allowed during graph capture).
   const cudaError_t opt_in =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));

@@ -11,6 +11,8 @@ backends/cuda_proxy.py; in one process the proxies share host memory).
 benchmarks/gpu_run.sh also runs this file with XLA command buffers off and forced on.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -190,17 +192,50 @@ def test_stage_clocks_follow_each_block_through_its_stages(op, monkeypatch, rng)
     comm.close()
 
 
-@pytest.mark.parametrize("num_sms,max_tokens", ((1, 300), (5, 64), (300, 64)))
+@pytest.mark.parametrize("expert_padding", (1, 16))
+@pytest.mark.parametrize("fault", ("invalid_id", "capacity"))
+def test_world1_fused_dispatch_records_errors_as_the_reference_says(fault, expert_padding, rng):
+    """The world-1 fused dispatch (the decode kernel at padding 1, dispatch_local_kernel at 16)
+    with an invalid expert id (the slot counts as -1) or more rows than capacity (the rows
+    past it dropped, the true counts kept): the outputs the reference gives and the error."""
+    setup = Setup("cuda", 1, "fp8", expert_padding, max_tokens=64,
+                  max_recv_tokens=40 if fault == "capacity" else None,
+                  purpose=f"errors-world1-{fault}-{expert_padding}")
+    g = setup.geometry
+    r = routing(rng, g, "random")
+    ids = r.topk_ids.copy()
+    if fault == "invalid_id":
+        ids[0, 5, 1] = 19
+        r = dataclasses.replace(r, topk_ids=ids)
+    inputs = make_inputs(setup, rng, r)
+    expected = ref.dispatch_reference(g, inputs.routing, inputs.rows, inputs.row_scales)
+    poison_device_memory(setup)
+    got = inputs.run(runner(setup))
+    assert_dispatch_matches(got.first, expected)
+    with pytest.raises(jm.CommError) as info:
+        runner(setup).comm.check()
+    if fault == "invalid_id":
+        assert (int(info.value.code), info.value.detail) == (1, 19)
+    else:
+        assert expected.ranks[0].overflow
+        assert (int(info.value.code), info.value.detail) == (2, expected.ranks[0].rows_needed)
+
+
+@pytest.mark.parametrize("num_sms,max_tokens", ((1, 300), (5, 64), (300, 64), (64, 128),
+                                                (None, 64)))
+@pytest.mark.parametrize("expert_padding", (1, 16))
 @pytest.mark.parametrize("dispatch,combine_reduce", (("fp8", "expert"), ("bf16", "source"),
                                                      ("fp8-prequantized", "source")))
 def test_world1_fused_kernels_equal_the_buffer_halves_for_any_chunking(
-        num_sms, max_tokens, dispatch, combine_reduce, rng):
-    """At world 1 the fused ops skip the buffer (cuda/dispatch.cu dispatch_local_kernel); the
-    halves keep it. Bit for bit the same outputs and the reference layout, with one chunk of
-    1200 slots (past the kernel's shared-memory table), a few chunks, and more chunks than
-    SMs (a block takes several)."""
+        num_sms, max_tokens, expert_padding, dispatch, combine_reduce, rng):
+    """At world 1 the fused ops skip the buffer (cuda/dispatch.cu dispatch_local_kernel, and
+    dispatch_local_decode_kernel where every block has one chunk of at most 16 slots and the
+    padding is 1: here (64, 128) and (None, 64) with padding 1); the halves keep it. Bit for
+    bit the same outputs and the reference layout, with one chunk of 1200 slots (past the
+    kernel's shared-memory table), a few chunks, and more chunks than SMs (a block takes
+    several)."""
     args = dict(axis_size=1, dispatch=dispatch, combine_reduce=combine_reduce,
-                expert_padding=16, max_tokens=max_tokens, num_sms=num_sms)
+                expert_padding=expert_padding, max_tokens=max_tokens, num_sms=num_sms)
     fused, split = Setup("cuda", **args), Setup("cuda", split=True, **args)
     for scenario in ("skewed", "partial_tokens", "unused_slots"):
         inputs = make_inputs(fused, rng, routing(rng, fused.geometry, scenario))
