@@ -31,6 +31,8 @@
 #   proxywait  the proxy1 benchmark under MPS only, once for each JAX_MOE_PROXY_WAIT (stream: the
 #            stream waits with cuStreamWaitValue32; kernel: the request kernel spins): what a
 #            request costs the GPU between the proxy's answer and the next doorbell
+#   proxyrep   the proxy1 benchmark under MPS (stream waits): decode three times in a row (the raw
+#            transport's time moves between runs), then prefill 4096 once
 #   models_mp  tests/gpu/test_models_multiprocess.py: jax-moe generate with the cuda backend on 2
 #            processes sharing GPU 0 (CUDA IPC, forced through the host proxies, --tp 2) gives
 #            one process's tokens; tokens/s per path in the log (issues 15 and 19)
@@ -175,6 +177,17 @@ except Exception as err:
           --out "$logs/proxywait-$wait" > "$logs/proxywait-$wait.log" 2>&1
         echo "proxywait $wait: rc=$?"
         grep -E "^shm|^  |Error|error" "$logs/proxywait-$wait.log" | cut -c1-200 | head -40
+      done ;;
+    proxyrep)
+      for run in decode-1 decode-2 decode-3 prefill; do
+        phase=$([ $run = prefill ] && echo prefill=4096 || echo decode=128)
+        timeout -s KILL 150 python3 benchmarks/bench_host_remote.py --platform cuda --gpus 1 \
+          --no-xla --no-nvlink --providers shm --dispatch-dtypes fp8 --reduce expert \
+          --partial-dtype bf16 --phases $phase --reps 3 --iters 10 --short-iters 2 --mps \
+          --git-commit "${GIT_COMMIT:-unknown}" --out "$logs/proxyrep-$run" \
+          > "$logs/proxyrep-$run.log" 2>&1
+        echo "proxyrep $run: rc=$?"
+        grep -E "^shm|Error|error" "$logs/proxyrep-$run.log" | cut -c1-200 | head -8
       done ;;
     misuse)
       suite misuse_gpu 120 tests/test_misuse.py
