@@ -14,6 +14,9 @@
 //   segment), then per chunk for the sources' rows of that chunk, and copies each token to
 //   its rows.
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "cuda/api.cuh"
 #include "cuda/exchange.cuh"
@@ -1141,6 +1144,23 @@ DispatchKernel pick_send(TokenInput input, const MoeDims& d) {
   }
 }
 
+// Above 48 KiB a kernel must opt in to its dynamic shared memory, per device (allowed during
+// graph capture). The driver call is host time on every launch, and a decode step's launches
+// are on the host's critical path, so it runs once per (kernel, device) and larger size.
+cudaError_t opt_in_smem(DispatchKernel kernel, size_t smem) {
+  static std::mutex mutex;
+  static std::map<std::pair<DispatchKernel, int>, size_t> granted;
+  int device = 0;
+  if (const cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
+  std::lock_guard<std::mutex> lock(mutex);
+  size_t& have = granted[{kernel, device}];
+  if (smem <= have) return cudaSuccess;
+  const cudaError_t status =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (status == cudaSuccess) have = smem;
+  return status;
+}
+
 }  // namespace
 
 cudaError_t launch_dispatch(const CommView& view, int phases, TokenInput input, const void* x,
@@ -1162,9 +1182,7 @@ cudaError_t launch_dispatch(const CommView& view, int phases, TokenInput input, 
   const size_t smem = decode  ? kSendRingBytes
                       : local ? local_dispatch_smem_bytes(view.dims)
                               : dispatch_smem_bytes(view.dims);
-  // Above 48 KiB a kernel must opt in (per device; cheap, and allowed during graph capture).
-  const cudaError_t opt_in =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  const cudaError_t opt_in = opt_in_smem(kernel, smem);
   if (opt_in != cudaSuccess) return opt_in;
   kernel<<<view.grid, kExchangeThreads, smem, stream>>>(
       view, x, x_scales, topk_ids, topk_weights, num_tokens, send_dest, x_out, scales_out,
