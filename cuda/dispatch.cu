@@ -14,9 +14,6 @@
 //   segment), then per chunk for the sources' rows of that chunk, and copies each token to
 //   its rows.
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "cuda/api.cuh"
 #include "cuda/exchange.cuh"
@@ -911,38 +908,26 @@ dispatch_local_decode_kernel(CommView v, const void* x, const float* x_scales,
   char* ring = reinterpret_cast<char*>(smem);
   if (tokens > 0) stage_rows<kInput>(d, x, x_scales, t0, tokens, staging, ring);
   const CallCounts calls = load_call_counts(v, kSeqDispatchSend, kSeqDispatchRecv);
-  // No load waits for num_tokens: every load covers all T * K slots, and which of them hold
-  // a token (j < n) is applied once the values are in (one round trip instead of two).
   const int given = *num_tokens;
-  const int first = t0 * K, slots = tokens * K, all = d.max_tokens * K;
+  const int ntok = min(max(given, 0), d.max_tokens), n = ntok * K;
+  const int first = t0 * K, slots = tokens * K;
   // Warp 0's lane s holds slot first + s as given (its id is checked when it is ranked).
   int own_id = -1;
   float own_weight = 0.f;
-  if (block_warp() == 0 && lane < slots) {
+  if (block_warp() == 0 && lane < slots && first + lane < n) {
     own_id = topk_ids[first + lane];
     own_weight = topk_weights[first + lane];
   }
-  // Every thread: the chunk's expert ids (a broadcast load).
+  // Every thread: the chunk's expert ids (a broadcast load; -1 for no row), its experts' ids.
   int slot_id[kDecodeSlots];
 #pragma unroll
-  for (int s = 0; s < kDecodeSlots; ++s) slot_id[s] = s < slots ? topk_ids[first + s] : -1;
-  // Four ids a load where the array is 16-byte aligned, four loads in flight per thread.
-  const int head = (reinterpret_cast<uintptr_t>(topk_ids) & 15) == 0 ? 0 : all;
-  const int quads = (all - head) / 4;
-  const int4* q = reinterpret_cast<const int4*>(topk_ids + head);
-  constexpr int kLoads = 4;
-  int4 w[kLoads];
-#pragma unroll
-  for (int u = 0; u < kLoads; ++u)
-    if (threadIdx.x + u * blockDim.x < quads) w[u] = q[threadIdx.x + u * blockDim.x];
-  const int ntok = min(max(given, 0), d.max_tokens), n = ntok * K;
-  if (block_warp() == 0 && first + lane >= n) own_id = -1;
-#pragma unroll
-  for (int s = 0; s < kDecodeSlots; ++s)  // -1: no row to rank
-    if (first + s >= n || slot_id[s] >= E) slot_id[s] = -1;
+  for (int s = 0; s < kDecodeSlots; ++s) {
+    const int id = s < slots && first + s < n ? topk_ids[first + s] : -1;
+    slot_id[s] = id < E ? id : -1;
+  }
   int count[kDecodeCounters] = {};
   auto add = [&](int j, int id) {
-    if (j >= n || id < 0 || id >= E) return;
+    if (id < 0 || id >= E) return;
 #pragma unroll
     for (int s = 0; s < kDecodeSlots; ++s)
       count[s] += id < slot_id[s] || (id == slot_id[s] && j < first + s);
@@ -950,13 +935,17 @@ dispatch_local_decode_kernel(CommView v, const void* x, const float* x_scales,
     for (int i = 0; i < kDecodeExperts; ++i) count[kDecodeSlots + i] += id == c + i * v.grid;
     count[kDecodeTotal] += 1;
   };
+  // Four ids a load where the array is 16-byte aligned, four loads in flight per thread.
+  const int head = (reinterpret_cast<uintptr_t>(topk_ids) & 15) == 0 ? 0 : n;
   for (int j = threadIdx.x; j < head; j += blockDim.x) add(j, topk_ids[j]);
+  const int quads = (n - head) / 4;
+  const int4* q = reinterpret_cast<const int4*>(topk_ids + head);
+  constexpr int kLoads = 4;
   for (int i0 = threadIdx.x; i0 < quads; i0 += kLoads * blockDim.x) {
-    if (i0 != threadIdx.x) {
+    int4 w[kLoads];
 #pragma unroll
-      for (int u = 0; u < kLoads; ++u)
-        if (i0 + u * blockDim.x < quads) w[u] = q[i0 + u * blockDim.x];
-    }
+    for (int u = 0; u < kLoads; ++u)
+      if (i0 + u * blockDim.x < quads) w[u] = q[i0 + u * blockDim.x];
 #pragma unroll
     for (int u = 0; u < kLoads; ++u) {
       const int i = i0 + u * blockDim.x;
@@ -968,7 +957,7 @@ dispatch_local_decode_kernel(CommView v, const void* x, const float* x_scales,
       add(j + 3, w[u].w);
     }
   }
-  for (int j = head + 4 * quads + threadIdx.x; j < all; j += blockDim.x) add(j, topk_ids[j]);
+  for (int j = head + 4 * quads + threadIdx.x; j < n; j += blockDim.x) add(j, topk_ids[j]);
 #pragma unroll
   for (int i = 0; i < kDecodeCounters; ++i) {
     const int sum = __reduce_add_sync(kFullMask, count[i]);
@@ -1144,23 +1133,6 @@ DispatchKernel pick_send(TokenInput input, const MoeDims& d) {
   }
 }
 
-// Above 48 KiB a kernel must opt in to its dynamic shared memory, per device (allowed during
-// graph capture). The driver call is host time on every launch, and a decode step's launches
-// are on the host's critical path, so it runs once per (kernel, device) and larger size.
-cudaError_t opt_in_smem(DispatchKernel kernel, size_t smem) {
-  static std::mutex mutex;
-  static std::map<std::pair<DispatchKernel, int>, size_t> granted;
-  int device = 0;
-  if (const cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
-  std::lock_guard<std::mutex> lock(mutex);
-  size_t& have = granted[{kernel, device}];
-  if (smem <= have) return cudaSuccess;
-  const cudaError_t status =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (status == cudaSuccess) have = smem;
-  return status;
-}
-
 }  // namespace
 
 cudaError_t launch_dispatch(const CommView& view, int phases, TokenInput input, const void* x,
@@ -1182,7 +1154,9 @@ cudaError_t launch_dispatch(const CommView& view, int phases, TokenInput input, 
   const size_t smem = decode  ? kSendRingBytes
                       : local ? local_dispatch_smem_bytes(view.dims)
                               : dispatch_smem_bytes(view.dims);
-  const cudaError_t opt_in = opt_in_smem(kernel, smem);
+  // Above 48 KiB a kernel must opt in (per device; cheap, and allowed during graph capture).
+  const cudaError_t opt_in =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (opt_in != cudaSuccess) return opt_in;
   kernel<<<view.grid, kExchangeThreads, smem, stream>>>(
       view, x, x_scales, topk_ids, topk_weights, num_tokens, send_dest, x_out, scales_out,
