@@ -918,7 +918,7 @@ dispatch_local_decode_kernel(CommView v, const void* x, const float* x_scales,
     own_id = topk_ids[first + lane];
     own_weight = topk_weights[first + lane];
   }
-  // Every thread: the chunk's expert ids (a broadcast load; -1 for no row), its experts' ids.
+  // Every thread: the chunk's expert ids (a broadcast load; -1 where a slot has no row).
   int slot_id[kDecodeSlots];
 #pragma unroll
   for (int s = 0; s < kDecodeSlots; ++s) {
