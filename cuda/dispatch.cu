@@ -577,6 +577,34 @@ __device__ void stage_chunk(const int32_t* ids, const float* weights, int begin,
   }
 }
 
+// Calls f(j, ids[j]) for every j in [from, to); all threads of the block, each a strided
+// share. Four ids a load where the array is 16-byte aligned, kLoads loads in flight per thread.
+template <int kLoads, typename F>
+__device__ __forceinline__ void for_each_id(const int32_t* ids, int from, int to, F f) {
+  int head = to;
+  if ((reinterpret_cast<uintptr_t>(ids) & 15) == 0) head = min(to, (from + 3) & ~3);
+  for (int j = from + threadIdx.x; j < head; j += blockDim.x) f(j, ids[j]);
+  const int quads = head < to ? (to - head) / 4 : 0;
+  const int4* q = reinterpret_cast<const int4*>(ids + head);
+  for (int i0 = threadIdx.x; i0 < quads; i0 += kLoads * blockDim.x) {
+    int4 w[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u)
+      if (i0 + u * blockDim.x < quads) w[u] = q[i0 + u * blockDim.x];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i >= quads) continue;
+      const int j = head + 4 * i;
+      f(j, w[u].x);
+      f(j + 1, w[u].y);
+      f(j + 2, w[u].z);
+      f(j + 3, w[u].w);
+    }
+  }
+  for (int j = head + 4 * quads + threadIdx.x; j < to; j += blockDim.x) f(j, ids[j]);
+}
+
 // Counts slots j in [from, to) (only those < n hold a token) per expert: every one into
 // `total` (unless null), those before `split` into `before`. All threads; ids past the
 // range are not read. Invalid ids count nowhere (rank_local_chunk records them).
@@ -589,30 +617,7 @@ __device__ void count_slots(const MoeDims& d, const int32_t* ids, int from, int 
     if (total) atomicAdd(total + id, 1);
     if (j < split) atomicAdd(before + id, 1);
   };
-  // Four ids a load, eight loads in flight per thread, where the buffer is 16-byte aligned.
-  int head = to;
-  if ((reinterpret_cast<uintptr_t>(ids) & 15) == 0) head = min(to, (from + 3) & ~3);
-  for (int j = from + threadIdx.x; j < head; j += blockDim.x) count(j, ids[j]);
-  const int quads = head < to ? (to - head) / 4 : 0;
-  const int4* q = reinterpret_cast<const int4*>(ids + head);
-  constexpr int kLoads = 8;
-  for (int i0 = threadIdx.x; i0 < quads; i0 += kLoads * blockDim.x) {
-    int4 w[kLoads];
-#pragma unroll
-    for (int u = 0; u < kLoads; ++u)
-      if (i0 + u * blockDim.x < quads) w[u] = q[i0 + u * blockDim.x];
-#pragma unroll
-    for (int u = 0; u < kLoads; ++u) {
-      const int i = i0 + u * blockDim.x;
-      if (i >= quads) continue;
-      const int j = head + 4 * i;
-      count(j, w[u].x);
-      count(j + 1, w[u].y);
-      count(j + 2, w[u].z);
-      count(j + 3, w[u].w);
-    }
-  }
-  for (int j = head + 4 * quads + threadIdx.x; j < to; j += blockDim.x) count(j, ids[j]);
+  for_each_id<8>(ids, from, to, count);
 }
 
 // Warp 0 gives the slots [t0 * K, t1 * K) their rows in (t, k) order: slot j of expert e is
@@ -935,29 +940,7 @@ dispatch_local_decode_kernel(CommView v, const void* x, const float* x_scales,
     for (int i = 0; i < kDecodeExperts; ++i) count[kDecodeSlots + i] += id == c + i * v.grid;
     count[kDecodeTotal] += 1;
   };
-  // Four ids a load where the array is 16-byte aligned, four loads in flight per thread.
-  const int head = (reinterpret_cast<uintptr_t>(topk_ids) & 15) == 0 ? 0 : n;
-  for (int j = threadIdx.x; j < head; j += blockDim.x) add(j, topk_ids[j]);
-  const int quads = (n - head) / 4;
-  const int4* q = reinterpret_cast<const int4*>(topk_ids + head);
-  constexpr int kLoads = 4;
-  for (int i0 = threadIdx.x; i0 < quads; i0 += kLoads * blockDim.x) {
-    int4 w[kLoads];
-#pragma unroll
-    for (int u = 0; u < kLoads; ++u)
-      if (i0 + u * blockDim.x < quads) w[u] = q[i0 + u * blockDim.x];
-#pragma unroll
-    for (int u = 0; u < kLoads; ++u) {
-      const int i = i0 + u * blockDim.x;
-      if (i >= quads) continue;
-      const int j = head + 4 * i;
-      add(j, w[u].x);
-      add(j + 1, w[u].y);
-      add(j + 2, w[u].z);
-      add(j + 3, w[u].w);
-    }
-  }
-  for (int j = head + 4 * quads + threadIdx.x; j < n; j += blockDim.x) add(j, topk_ids[j]);
+  for_each_id<4>(topk_ids, 0, n, add);
 #pragma unroll
   for (int i = 0; i < kDecodeCounters; ++i) {
     const int sum = __reduce_add_sync(kFullMask, count[i]);
