@@ -93,6 +93,20 @@ profile_ep1() {
   done
 }
 
+# proxy_bench NAME LINES ARGS...: bench_host_remote.py with the cuda proxies of 2 processes on
+# GPU 0 (shm, fp8, expert, bf16 partials) and ARGS; JSON and plot under NAME, log NAME.log, of
+# which the summary's first LINES lines are printed.
+proxy_bench() {
+  local name=$1 lines=$2
+  shift 2
+  timeout -s KILL 150 python3 benchmarks/bench_host_remote.py --platform cuda --gpus 1 \
+    --no-xla --no-nvlink --providers shm --dispatch-dtypes fp8 --reduce expert \
+    --partial-dtype bf16 --reps 3 --iters 10 --short-iters 2 "$@" \
+    --git-commit "${GIT_COMMIT:-unknown}" --out "$logs/$name" > "$logs/$name.log" 2>&1
+  echo "$name: rc=$?"
+  grep -E "^shm|^  |Error|error" "$logs/$name.log" | cut -c1-200 | head -"$lines"
+}
+
 for step in "${steps[@]}"; do
   case $step in
     tests) suite gpu_default 300 tests/gpu/test_cuda_backend.py ;;
@@ -158,37 +172,18 @@ except Exception as err:
   print('hmem', sys.argv[1], 'refused:', type(err).__name__, err)" "$provider" 2>&1 | tail -2
       done ;;
     proxy1)
-      for mps in "" --mps; do
-        timeout -s KILL 150 python3 benchmarks/bench_host_remote.py --platform cuda --gpus 1 \
-          --no-xla --no-nvlink --providers shm --dispatch-dtypes fp8 --reduce expert \
-          --partial-dtype bf16 --phases decode=128 --reps 3 --iters 10 --short-iters 2 \
-          --trace-iters 3 $mps \
-          --git-commit "${GIT_COMMIT:-unknown}" --out "$logs/proxy1${mps:+-mps}" \
-          > "$logs/proxy1${mps:+-mps}.log" 2>&1
-        echo "proxy1 ${mps:-time-sliced}: rc=$?"
-        grep -E "^shm|^  |Error|error" "$logs/proxy1${mps:+-mps}.log" | cut -c1-200 | head -40
-      done ;;
+      proxy_bench proxy1 40 --phases decode=128 --trace-iters 3
+      proxy_bench proxy1-mps 40 --phases decode=128 --trace-iters 3 --mps ;;
     proxywait)
       for wait in stream kernel; do
-        JAX_MOE_PROXY_WAIT=$wait timeout -s KILL 150 python3 benchmarks/bench_host_remote.py \
-          --platform cuda --gpus 1 --no-xla --no-nvlink --providers shm --dispatch-dtypes fp8 \
-          --reduce expert --partial-dtype bf16 --phases decode=128 --reps 3 --iters 10 \
-          --short-iters 2 --trace-iters 3 --mps --git-commit "${GIT_COMMIT:-unknown}" \
-          --out "$logs/proxywait-$wait" > "$logs/proxywait-$wait.log" 2>&1
-        echo "proxywait $wait: rc=$?"
-        grep -E "^shm|^  |Error|error" "$logs/proxywait-$wait.log" | cut -c1-200 | head -40
+        JAX_MOE_PROXY_WAIT=$wait proxy_bench "proxywait-$wait" 40 --phases decode=128 \
+          --trace-iters 3 --mps
       done ;;
     proxyrep)
-      for run in decode-1 decode-2 decode-3 prefill; do
-        phase=$([ $run = prefill ] && echo prefill=4096 || echo decode=128)
-        timeout -s KILL 150 python3 benchmarks/bench_host_remote.py --platform cuda --gpus 1 \
-          --no-xla --no-nvlink --providers shm --dispatch-dtypes fp8 --reduce expert \
-          --partial-dtype bf16 --phases $phase --reps 3 --iters 10 --short-iters 2 --mps \
-          --git-commit "${GIT_COMMIT:-unknown}" --out "$logs/proxyrep-$run" \
-          > "$logs/proxyrep-$run.log" 2>&1
-        echo "proxyrep $run: rc=$?"
-        grep -E "^shm|Error|error" "$logs/proxyrep-$run.log" | cut -c1-200 | head -8
-      done ;;
+      for run in decode-1 decode-2 decode-3; do
+        proxy_bench "proxyrep-$run" 8 --phases decode=128 --mps
+      done
+      proxy_bench proxyrep-prefill 8 --phases prefill=4096 --mps ;;
     misuse)
       suite misuse_gpu 120 tests/test_misuse.py
       timeout -s KILL 120 python3 benchmarks/soak.py --backends cuda,xla --seconds 60 --iterations 1000000 \
