@@ -620,6 +620,28 @@ __device__ void count_slots(const MoeDims& d, const int32_t* ids, int from, int 
   for_each_id<8>(ids, from, to, count);
 }
 
+// An expert id as the world-1 ranking takes it: an invalid one (not -1, not in [0, E)) is
+// recorded and counts as -1.
+__device__ inline int checked_expert_id(const CommView& v, int id) {
+  if (id >= -1 && id < v.dims.num_experts) return id;
+  record_error(v, kInvalidExpertId, kStageDispatchSend, id);
+  return -1;
+}
+
+// Slot j's outputs at world 1, given its (checked) id and, for a valid id, its row: -2 past
+// capacity (dropped), -1 without a token; slot_rows, send_dest and the row's weight. Returns
+// the row.
+__device__ inline int write_local_slot(const MoeDims& d, int j, int id, int row, float weight,
+                                       int32_t* slot_rows, int32_t* send_dest,
+                                       float* weights_out) {
+  if (id < 0) row = -1;
+  else if (row >= d.capacity) row = -2;  // dropped: capacity overflow
+  slot_rows[j] = row;
+  send_dest[j] = id >= 0 ? 0 : -1;
+  if (row >= 0) weights_out[row] = weight;
+  return row;
+}
+
 // Warp 0 gives the slots [t0 * K, t1 * K) their rows in (t, k) order: slot j of expert e is
 // row first_row[e] + running[e] (running moves on), -2 past capacity, -1 for no token or an
 // invalid id (recorded); it writes slot_rows, send_dest and the rows' weights, and the rows
@@ -631,17 +653,13 @@ __device__ void rank_local_chunk(const CommView& v, const Segments& g, int32_t* 
                                  int32_t* slot_rows, int32_t* chunk_rows) {
   if (block_warp() != 0) return;
   const MoeDims& d = v.dims;
-  const int K = d.topk, E = d.num_experts, lane = lane_id();
+  const int K = d.topk, lane = lane_id();
   const int begin = t0 * K, end = t1 * K;
   const bool cached = end - begin <= kLocalChunkSlots;
   const unsigned lanes_before = (1u << lane) - 1;
   for (int j0 = begin; j0 < end; j0 += 32) {
     const int j = j0 + lane;
-    int id = j < end && j < n ? ids[j - begin] : -1;
-    if (id < -1 || id >= E) {
-      record_error(v, kInvalidExpertId, kStageDispatchSend, id);
-      id = -1;
-    }
+    const int id = checked_expert_id(v, j < end && j < n ? ids[j - begin] : -1);
     const unsigned same = __match_any_sync(kFullMask, id);
     const int before = __popc(same & lanes_before);
     const int rank = id >= 0 ? running[id] + before : 0;
@@ -649,14 +667,8 @@ __device__ void rank_local_chunk(const CommView& v, const Segments& g, int32_t* 
     if (id >= 0 && before == 0) running[id] += __popc(same);
     __syncwarp();
     if (j >= end) continue;
-    int row = -1;
-    if (id >= 0) {
-      row = g.first_row[id] + rank;
-      if (row >= d.capacity) row = -2;  // dropped: capacity overflow
-    }
-    slot_rows[j] = row;
-    send_dest[j] = id >= 0 ? 0 : -1;
-    if (row >= 0) weights_out[row] = weights[j - begin];
+    const int row = write_local_slot(d, j, id, id >= 0 ? g.first_row[id] + rank : -1,
+                                     weights[j - begin], slot_rows, send_dest, weights_out);
     if (cached) chunk_rows[j - begin] = row;
   }
 }
@@ -760,12 +772,19 @@ __device__ void quantize_staged(const MoeDims& d, const StagedLayout& s, int n, 
   }
 }
 
-// Every staged row (16-byte vectors `rows_in`, f32 `scales_in` [n][nb] or null) to each of
-// its slots' rows (`rows`: the chunk's slot rows, n * K), one warp per (slot, half a row).
-__device__ void place_staged_chunk(const MoeDims& d, const uint4* rows_in,
-                                   const float* scales_in, const int32_t* rows, int n,
-                                   void* x_out, float* scales_out) {
+// Every staged row, in the form of its output rows (the quantized copy when kInput quantizes;
+// scales unless the rows are bf16), to each of its slots' rows (`rows`: the chunk's slot
+// rows, n * K), one warp per (slot, half a row).
+template <TokenInput kInput>
+__device__ void place_staged_chunk(const MoeDims& d, const StagedLayout& s, const char* ring,
+                                   const int32_t* rows, int n, void* x_out, float* scales_out) {
   constexpr int kParts = 2;
+  constexpr bool kQuantized = kInput == kInputBf16Quantize;
+  const uint4* rows_in = reinterpret_cast<const uint4*>(ring + (kQuantized ? s.out : 0));
+  const float* scales_in =
+      kInput == kInputBf16
+          ? nullptr
+          : reinterpret_cast<const float*>(ring + (kQuantized ? s.out_scales : s.in_scales));
   const int K = d.topk, nb = scale_blocks(d);
   const int row_vectors = d.fp8 ? d.hidden / 16 : d.hidden / 8;
   uint4* out = static_cast<uint4*>(x_out);
@@ -853,13 +872,7 @@ dispatch_local_kernel(CommView v, const void* x, const float* x_scales,
     __syncthreads();
     if (c == blockIdx.x) clock_mark(v, kClockDispatch, kMarkRanked);
     if (from_stage) {
-      const size_t rows_at = kInput == kInputBf16Quantize ? staging.out : 0;
-      const size_t scales_at = kInput == kInputBf16Quantize ? staging.out_scales
-                                                            : staging.in_scales;
-      place_staged_chunk(d, reinterpret_cast<const uint4*>(ring + rows_at),
-                         kInput == kInputBf16 ? nullptr
-                                              : reinterpret_cast<const float*>(ring + scales_at),
-                         chunk_rows, staged_n, x_out, scales_out);
+      place_staged_chunk<kInput>(d, staging, ring, chunk_rows, staged_n, x_out, scales_out);
     } else {
       place_local_chunk<kInput, kCPL>(d, x, x_scales, cached ? chunk_rows : slot_rows + t0 * K,
                                       t0, min(t1, ntok), x_out, scales_out, smem);
@@ -971,32 +984,14 @@ dispatch_local_decode_kernel(CommView v, const void* x, const float* x_scales,
     weights_out[r] = 0.f;
   clock_mark(v, kClockDispatch, kMarkSegments);
   if (block_warp() == 0 && lane < slots) {  // the chunk's slots, as rank_local_chunk does
-    const int j = first + lane;
-    int id = own_id;
-    if (id < -1 || id >= E) {
-      record_error(v, kInvalidExpertId, kStageDispatchSend, id);
-      id = -1;
-    }
-    int row = -1;
-    if (id >= 0) {
-      row = block_count(lane);
-      if (row >= C) row = -2;  // dropped: capacity overflow
-    }
-    slot_rows[j] = row;
-    send_dest[j] = id >= 0 ? 0 : -1;
-    if (row >= 0) weights_out[row] = own_weight;
-    chunk_rows[lane] = row;
+    const int id = checked_expert_id(v, own_id);
+    chunk_rows[lane] = write_local_slot(d, first + lane, id, id >= 0 ? block_count(lane) : -1,
+                                        own_weight, slot_rows, send_dest, weights_out);
   }
   if constexpr (kInput == kInputBf16Quantize) quantize_staged<kCPL>(d, staging, tokens, ring);
   __syncthreads();
   clock_mark(v, kClockDispatch, kMarkRanked);
-  const size_t rows_at = kInput == kInputBf16Quantize ? staging.out : 0;
-  const size_t scales_at =
-      kInput == kInputBf16Quantize ? staging.out_scales : staging.in_scales;
-  place_staged_chunk(d, reinterpret_cast<const uint4*>(ring + rows_at),
-                     kInput == kInputBf16 ? nullptr
-                                          : reinterpret_cast<const float*>(ring + scales_at),
-                     chunk_rows, tokens, x_out, scales_out);
+  place_staged_chunk<kInput>(d, staging, ring, chunk_rows, tokens, x_out, scales_out);
   const uint64_t seq = chunk_seq(v, kSeqDispatchSend, c);
   finish_chunk(v, kSeqDispatchSend, c, seq);
   finish_chunk(v, kSeqDispatchRecv, c, seq);
