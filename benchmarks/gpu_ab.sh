@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# An A/B of code variants in one GPU machine call (METHOD.md: change one thing, re-measure on
+# the same machine). The variants are this checkout as it is ("base") and one per patch in
+# AB_PATCHES (a folder of *.patch files, e.g. `git format-patch main..branch --stdout`), each
+# applied to its own copy of the checkout. Every variant is built the same way, all at once:
+# its own copy, build folder and install folder, SASS for sm_90a only and no CUTLASS (the
+# exchange kernels need neither). Then ROUNDS rounds, each running COMMAND once per variant in
+# turn (base, A, B, base, A, B, ...), so the machine's drift during the call spreads over all.
+#   AB_PATCHES=ab benchmarks/gpu_ab.sh ROUNDS 'COMMAND'
+# COMMAND (one shell string) runs in the variant's install folder: its jax_moe (built), and
+# copies of benchmarks/, tests/ and pyproject.toml; with AB_NAME (base, or the patch's file
+# name without .patch), AB_ROUND (1..ROUNDS) and AB_LOGS (the logs folder) set. Its output is
+# AB_LOGS/NAME.ROUND.log; the lines matching AB_SHOW (a grep -E pattern) are printed after each
+# run. At the end the logs folder is packed into one file in $OUT (the device tool brings back
+# at most 8 files), or left in ./gpu_logs/ab.
+# The install folders must be what `import jax_moe` finds, and an editable install (what
+# gpu_run.sh and gpu_build.sh leave on a warm machine) would win over them: it is uninstalled
+# first (gpu_build.sh installs it again when one of the gpu_*.sh scripts runs).
+set -u -o pipefail
+if [ $# -ne 2 ] || ! [[ $1 =~ ^[1-9][0-9]*$ ]]; then
+  echo "usage: AB_PATCHES=DIR $0 ROUNDS 'COMMAND'" >&2
+  exit 2
+fi
+rounds=$1 command=$2
+out=${OUT:-$PWD/gpu_logs}
+logs=$out/ab
+work=${AB_WORK:-/tmp/jax_moe_ab}
+checkout=$PWD
+mkdir -p "$logs"
+rm -rf "$work"
+mkdir -p "$work"
+started=$(date +%s)
+
+names=(base)
+patches=()
+if [ -n "${AB_PATCHES:-}" ]; then
+  for p in "$AB_PATCHES"/*.patch; do
+    [ -f "$p" ] || continue
+    names+=("$(basename "$p" .patch)")
+    patches+=("$(cd "$(dirname "$p")" && pwd)/$(basename "$p")")
+  done
+fi
+echo "variants: ${names[*]}"
+
+# shellcheck source=benchmarks/gpu_build.sh
+. "$(dirname "$0")/gpu_build.sh"
+find_libfabric
+backend_path=""
+wheel=$(compgen -G ".whl/scikit_build_core-*.whl" | head -1)
+if [ -n "$wheel" ]; then  # the build backend the GPU machines lack (as gpu_build.sh)
+  backend_path=$work/build_backend
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$backend_path" \
+    "$wheel" > "$logs/build_backend.log" 2>&1 || { echo "build backend: failed"; exit 1; }
+fi
+if python3 -m pip show jax_moe > /dev/null 2>&1; then
+  python3 -m pip uninstall -y jax_moe > "$logs/uninstall.log" 2>&1
+  echo "uninstalled the installed jax_moe (an editable install would shadow the variants)"
+fi
+
+# build NAME [PATCH]: copy the checkout (no build products), apply PATCH, install into
+# $work/NAME/site with the variant's own build folder.
+build() {
+  local name=$1 patch=${2:-} dir=$work/$1
+  mkdir -p "$dir/src"
+  tar -C "$checkout" -c --exclude=./build --exclude=./.cutlass --exclude=./.git \
+    --exclude=./gpu_logs --exclude=./.whl --exclude=./.fabric . | tar -C "$dir/src" -x || return 1
+  if [ -n "$patch" ]; then
+    (cd "$dir/src" && { git apply "$patch" 2>/dev/null || patch -p1 --forward < "$patch"; }) \
+      || { echo "patch $patch does not apply"; return 1; }
+  fi
+  (cd "$dir/src" && PYTHONPATH=$backend_path${PYTHONPATH:+:$PYTHONPATH} python3 -m pip install \
+    --no-build-isolation --no-deps --target "$dir/site" . -Cbuild-dir="$dir/build" \
+    -Ccmake.define.JAX_MOE_ENABLE_CUDA=ON -Ccmake.define.JAX_MOE_CUDA_ARCHS=90a \
+    -Ccmake.define.JAX_MOE_ENABLE_LIBFABRIC="$fabric") || return 1
+  cp -r "$dir/src/benchmarks" "$dir/src/tests" "$dir/src/pyproject.toml" "$dir/site/"
+}
+
+pids=()
+for i in "${!names[@]}"; do
+  patch=""
+  [ "$i" -gt 0 ] && patch=${patches[$((i - 1))]}
+  build "${names[$i]}" "$patch" > "$logs/build_${names[$i]}.log" 2>&1 &
+  pids+=($!)
+done
+failed=0
+for i in "${!names[@]}"; do
+  if ! wait "${pids[$i]}"; then
+    echo "build ${names[$i]}: FAILED"
+    tail -20 "$logs/build_${names[$i]}.log"
+    failed=1
+  fi
+done
+[ $failed -eq 0 ] || exit 1
+echo "builds: ok ($(( $(date +%s) - started )) s)"
+for name in "${names[@]}"; do  # each variant must import its own build
+  found=$(cd "$work/$name/site" && python3 -c 'import jax_moe; print(jax_moe.__file__)' 2>&1)
+  if [[ $found != "$work/$name/site/"* ]]; then
+    echo "$name imports jax_moe from $found, not from its own build"
+    exit 1
+  fi
+done
+
+for round in $(seq 1 "$rounds"); do
+  for name in "${names[@]}"; do
+    log=$logs/$name.$round.log
+    (cd "$work/$name/site" && AB_NAME=$name AB_ROUND=$round AB_LOGS=$logs \
+      timeout -s KILL "${AB_TIMEOUT_S:-300}" bash -c "$command") > "$log" 2>&1
+    echo "$name round $round: rc=$? ($(( $(date +%s) - started )) s)"
+    [ -n "${AB_SHOW:-}" ] && grep -E "$AB_SHOW" "$log" | head -"${AB_SHOW_LINES:-12}"
+  done
+done
+
+if [ -n "${OUT:-}" ]; then
+  tar -C "$out" -czf "$out/ab-logs.tar.gz" ab && rm -rf "$logs"
+  echo "logs: ab-logs.tar.gz"
+fi
