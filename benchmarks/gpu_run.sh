@@ -43,6 +43,14 @@
 #   arbench  bench_all_reduce.py, bf16, 4 KiB..64 MiB, every method; GIT_COMMIT names the code
 #   arbench_cmdbuf  the same, chained calls only, with command buffers forced on for custom calls
 #            and collectives (file suffix _cmdbuf)
+# On two GPUs (issue 18; GIT_COMMIT names the code):
+#   ep2decode, ep2prefill  bench_dispatch_combine.py --ep 2 at 128 / 4096 tokens per rank: the
+#            cuda and xla backends' dispatch, combine and fused ops, fp8 and bf16, expert mode
+#            with bf16 partials (against the JAX peers and probes) and source mode
+#   ep2stages  profile_kernels.py --ep 2 --stages: each kernel's time and when each block reached
+#            each stage, decode and prefill, fused and split (fp8, expert, bf16 partials)
+#   proxy2   bench_host_remote.py --platform cuda --gpus 2: a process per GPU through their host
+#            proxies, shm then tcp;ofi_rxm, against the raw TransferEngine, NVLink and xla
 set -u -o pipefail
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests parity)
@@ -76,19 +84,20 @@ suite() {
   [ $rc -ne 0 ] && grep -E '^(E |FAILED|ERROR)' "$logs/$name.log" | head -15
 }
 
-# profile_ep1 NAME PATTERN LINES [ARGS...]: profile_kernels.py --ep 1 (fp8, expert, bf16
+# profile_ep EP NAME PATTERN LINES [ARGS...]: profile_kernels.py --ep EP (fp8, expert, bf16
 # partials) for decode and prefill, fused and split, with ARGS; prints PATTERN's first LINES
-# lines of each log (logs and JSON named NAME_ep1_<tokens>_<op>).
-profile_ep1() {
-  local name=$1 pattern=$2 lines=$3 tokens op
-  shift 3
+# lines of each log (logs and JSON named NAME_ep<EP>_<tokens>_<op>).
+profile_ep() {
+  local ep=$1 name=$2 pattern=$3 lines=$4 tokens op
+  shift 4
   for tokens in 128 4096; do
     for op in fused split; do
-      timeout -s KILL 90 python3 benchmarks/profile_kernels.py --ep 1 --tokens $tokens "$@" \
+      local file=$logs/${name}_ep${ep}_${tokens}_$op
+      timeout -s KILL 90 python3 benchmarks/profile_kernels.py --ep "$ep" --tokens $tokens "$@" \
         --dispatch-dtype fp8 --reduce expert --partial-dtype bf16 $([ $op = split ] && echo --split) \
-        --json "$logs/${name}_ep1_${tokens}_$op.json" > "$logs/${name}_ep1_${tokens}_$op.log" 2>&1
-      echo "$name ep1 $tokens tokens $op: rc=$?"
-      grep -E "$pattern" "$logs/${name}_ep1_${tokens}_$op.log" | head -"$lines"
+        --json "$file.json" > "$file.log" 2>&1
+      echo "$name ep$ep $tokens tokens $op: rc=$?"
+      grep -E "$pattern" "$file.log" | head -"$lines"
     done
   done
 }
@@ -138,8 +147,8 @@ for step in "${steps[@]}"; do
         echo "bench ep1 ${reduce%% *}: rc=$?"
         tail -26 "$logs/bench_ep1_${reduce%% *}.log"
       done
-      profile_ep1 profile "busy span|us x" 7 ;;
-    stages) profile_ep1 stages "busy span|us x|^  [a-z_]+ +[0-9-]" 24 --stages ;;
+      profile_ep 1 profile "busy span|us x" 7 ;;
+    stages) profile_ep 1 stages "busy span|us x|^  [a-z_]+ +[0-9-]" 24 --stages ;;
     sms)  # the fused decode kernels at fewer blocks: each counts every id, fewer share L2
       for sms in 16 33 66 132; do
         timeout -s KILL 90 python3 benchmarks/profile_kernels.py --ep 1 --tokens 128 --stages \
@@ -206,6 +215,31 @@ except Exception as err:
         --out "$logs" > "$logs/bench_all_reduce_cmdbuf.log" 2>&1
       echo "arbench_cmdbuf: rc=$?"
       tail -24 "$logs/bench_all_reduce_cmdbuf.log" ;;
+    ep2decode|ep2prefill)
+      phase=decode=128
+      [ "$step" = ep2prefill ] && phase=prefill=4096
+      for reduce in "expert --partial-dtype bf16 --peers all_gather,all_to_all,ragged_all_to_all,psum,p2p" \
+          "source --peers none"; do
+        name=$step-${reduce%% *}
+        # shellcheck disable=SC2086
+        timeout -s KILL 270 python3 benchmarks/bench_dispatch_combine.py --ep 2 \
+          --backends cuda,xla --ops dispatch,combine,fused --reduce $reduce --phases $phase \
+          --reps 3 --budget-s 4 --git-commit "${GIT_COMMIT:-unknown}" --out "$logs/$name" \
+          > "$logs/$name.log" 2>&1
+        echo "$name: rc=$?"
+        grep -E "^[a-z_0-9]+ .* (ok|error|skipped|FAILED)" "$logs/$name.log" | cut -c1-100 | tail -30
+      done ;;
+    ep2stages) profile_ep 2 stages "busy span|us x|^  [a-z_]+ +[0-9-]" 24 --stages ;;
+    proxy2)
+      for provider in shm "tcp;ofi_rxm"; do
+        name=proxy2-${provider%%;*}
+        timeout -s KILL 270 python3 benchmarks/bench_host_remote.py --platform cuda --gpus 2 \
+          --providers "$provider" --dispatch-dtypes fp8 --reduce expert --partial-dtype bf16 \
+          --phases decode=128 --reps 3 --iters 10 --short-iters 2 \
+          --git-commit "${GIT_COMMIT:-unknown}" --out "$logs/$name" > "$logs/$name.log" 2>&1
+        echo "$name: rc=$?"
+        grep -E "^shm|^tcp|^  |Error|error" "$logs/$name.log" | cut -c1-200 | head -30
+      done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
