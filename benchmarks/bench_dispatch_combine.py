@@ -179,6 +179,8 @@ def peer_records(ctx, mesh, device_inputs, args) -> list[dict]:
                               "ragged-all-to-all", dispatch_dtype=ctx.dtype_name))
       continue
     records.append(run_method(methods.peer_method(ctx, peer), mesh, device_inputs, args))
+  if "fanout" in args.peers:  # the dispatch dtype's rows: a probe of each dtype
+    records.append(run_method(methods.fanout_method(ctx), mesh, device_inputs, args))
   return records
 
 
@@ -186,6 +188,8 @@ def probe_records(ctx, mesh, device_inputs, args) -> list[dict]:
   records = []
   if "psum" in args.peers:
     records.append(run_method(methods.psum_method(ctx), mesh, device_inputs, args))
+  if "weighted_sum" in args.peers:
+    records.append(run_method(methods.weighted_sum_method(ctx), mesh, device_inputs, args))
   if "p2p" in args.peers:
     for mib in args.p2p_mib:
       size = int(mib * 2**20)

@@ -28,7 +28,7 @@ PEER_NAMES = ("all_gather", "all_to_all", "ragged_all_to_all", "replicated_psum_
 # backend name here: JAX on every platform, expert mode only, fused and split.
 REPLICATED = "replicated"
 REPLICATED_OPS = ("fused", "split")
-PROBE_NAMES = ("psum", "p2p")
+PROBE_NAMES = ("psum", "p2p", "fanout", "weighted_sum")
 DTYPES = {"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16}
 # Benchmark names of jax_moe backends built with a setting: "cuda-proxy" is the cuda backend
 # with every peer forced remote (JAX_MOE_FORCE_REMOTE=1 while the Communicator is built), so
@@ -316,6 +316,105 @@ def psum_method(ctx: Context) -> Method:
                 check=lambda out, n: reference.check_close(out, want, bound, R),
                 bytes_per_rank=2.0 * (R - 1) / R * s.tokens * s.combine_row_bytes,
                 bytes_model="ring all-reduce: 2*(R-1)/R of the array")
+
+
+def _slots_by_expert(topk_ids: jax.Array, topk: int):
+  """One rank's T * K slots in expert order (stable, so (token, slot) order inside an
+  expert): the token of each row of that order [T*K], and each slot's row [T, K]. With every
+  id valid this is the dispatched layout at expert padding 1."""
+  order = jnp.argsort(topk_ids.reshape(-1), stable=True).astype(jnp.int32)
+  row_of_slot = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
+  return order // topk, row_of_slot.reshape(topk_ids.shape)
+
+
+def _host_slots_by_expert(ctx: Context):
+  """_slots_by_expert of every rank, on the host: the global token of each row [R*T*K] and
+  the global row of each slot [R*T, K]."""
+  s = ctx.shape
+  T, K = s.tokens, s.topk
+  ids = ctx.inputs.topk_ids.reshape(s.ranks, T * K)
+  order = np.argsort(ids, axis=1, kind="stable")
+  rank = np.arange(s.ranks)[:, None]
+  row_of_slot = np.empty_like(order)
+  np.put_along_axis(row_of_slot, order, np.arange(T * K)[None, :], axis=1)
+  return (rank * T + order // K).reshape(-1), (rank * T * K + row_of_slot).reshape(-1, K)
+
+
+def _bitwise_equal(got, want) -> bool:
+  got, want = np.asarray(got), np.asarray(want)
+  bits = f"u{want.dtype.itemsize}"
+  return got.shape == want.shape and np.array_equal(got.view(bits), want.view(bits))
+
+
+def fanout_method(ctx: Context) -> Method:
+  """Every token's wire row (fp8 codes and scales, quantized on the way if the input is
+  bf16, or bf16) copied to its K slots' rows in expert order, [T*K, H], by XLA gathers: the
+  row traffic of a dispatch at expert padding 1, with the routing already sorted before the
+  loop. A floor for the dispatch kernels measured in the same run."""
+  s = ctx.shape
+  token_of_row, _ = _host_slots_by_expert(ctx)
+  want = (ctx.expected.rows[token_of_row],) + (
+      (ctx.expected.scales[token_of_row],) if s.fp8 else ())
+
+  def gather(x, rows):
+    if s.fp8 and not isinstance(x, tuple):
+      x = jm.quantize_fp8(x, s.block_size)
+    return tuple(jnp.take(a, rows, axis=0) for a in (x if isinstance(x, tuple) else (x,)))
+
+  def init(x, ids, w):
+    return x, ids, w, _slots_by_expert(ids, s.topk)[0]
+
+  def body(state):
+    x, ids, w, rows = state
+    out = jax.lax.optimization_barrier(gather(x, rows))  # all of it, not the probed element
+    return (*consume_probe(x, ids, w, probe_all(out)), rows)
+
+  def check(out, n):
+    return {"passed": all(_bitwise_equal(g, w) for g, w in zip(out, want)), "n": n,
+            "what": "rows bit for bit"}
+
+  return Method(label=f"fanout [T*K,H] {ctx.dtype_name}", family="probe", name="fanout",
+                op="fanout", dispatch_dtype=ctx.dtype_name, combine_reduce=None, init=init,
+                body=body, final=lambda st: gather(st[0], st[3]), check=check,
+                bytes_per_rank=0.0, bytes_model="local: T*K rows written, T rows read")
+
+
+def weighted_sum_method(ctx: Context) -> Method:
+  """out[t] = bf16(sum_k w[t,k] * y[row_of_slot[t,k]]) in f32, k order, for bf16 rows y
+  [T*K, H] in expert order (the identity expert's output, made before the loop), as XLA
+  computes it: the row traffic of an expert-mode combine at world 1. A floor for the combine
+  kernels measured in the same run."""
+  s = ctx.shape
+  x = ctx.inputs.x.astype(np.float64).reshape(s.ranks, s.tokens, s.hidden)
+  w = ctx.inputs.topk_weights.astype(np.float64).reshape(s.ranks, s.tokens, s.topk)
+  sums = w.sum(axis=2, keepdims=True)
+  want = _on_devices(ctx.mesh, (sums * x).reshape(-1, s.hidden).astype(np.float32))
+  bound = _on_devices(ctx.mesh, (np.abs(sums) * np.abs(x)).reshape(-1, s.hidden)
+                      .astype(np.float32))
+
+  def weighted_sum(y, row_of_slot, topk_weights):
+    acc = jnp.zeros((s.tokens, s.hidden), jnp.float32)
+    for k in range(s.topk):
+      acc = acc + topk_weights[:, k, None] * y[row_of_slot[:, k]].astype(jnp.float32)
+    return acc.astype(jnp.bfloat16)
+
+  def init(x, ids, w):
+    token_of_row, row_of_slot = _slots_by_expert(ids, s.topk)
+    return x, ids, w, jnp.take(x, token_of_row, axis=0), row_of_slot
+
+  def body(state):
+    x, ids, w, y, row_of_slot = state
+    out = weighted_sum(y, row_of_slot, w)
+    # The slots' rows depend on this step's output too (as ids do), so the gather of y by
+    # row_of_slot stays inside the loop instead of being hoisted out of it.
+    zero = (out[0, 0] * jnp.zeros((), out.dtype)).astype(jnp.int32)
+    return (*consume_output(x, ids, w, out), y, row_of_slot + zero)
+
+  return Method(label="weighted_sum [T,K,H] bf16", family="probe", name="weighted_sum",
+                op="weighted_sum", dispatch_dtype=None, combine_reduce="expert", init=init,
+                body=body, final=lambda st: weighted_sum(st[3], st[4], st[2]),
+                check=lambda out, n: reference.check_close(out, want, bound, 1),
+                bytes_per_rank=0.0, bytes_model="local: T*K rows read, T rows written")
 
 
 P2P_SAMPLE = 1024  # elements of the rotated buffer returned for checking

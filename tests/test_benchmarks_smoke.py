@@ -43,7 +43,7 @@ def test_bench_dispatch_combine_runs_every_method_and_all_pass(tmp_path):
     backends = payload["config"]["backends"]
     assert "xla" in backends
     expected_ok = {"all_gather fp8", "all_to_all fp8", "replicated_psum_scatter fp8",
-                   "psum [T,H] bf16"}
+                   "psum [T,H] bf16", "fanout [T*K,H] fp8", "weighted_sum [T,K,H] bf16"}
     for backend in backends:
         expected_ok |= {f"{backend} dispatch fp8"}
         for reduce in ("source", "expert"):
