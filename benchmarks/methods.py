@@ -327,17 +327,12 @@ def _slots_by_expert(topk_ids: jax.Array, topk: int):
   return order // topk, row_of_slot.reshape(topk_ids.shape)
 
 
-def _host_slots_by_expert(ctx: Context):
-  """_slots_by_expert of every rank, on the host: the global token of each row [R*T*K] and
-  the global row of each slot [R*T, K]."""
+def _host_token_of_row(ctx: Context) -> np.ndarray:
+  """_slots_by_expert's token of each row for every rank, on the host, as global token
+  indices [R*T*K]."""
   s = ctx.shape
-  T, K = s.tokens, s.topk
-  ids = ctx.inputs.topk_ids.reshape(s.ranks, T * K)
-  order = np.argsort(ids, axis=1, kind="stable")
-  rank = np.arange(s.ranks)[:, None]
-  row_of_slot = np.empty_like(order)
-  np.put_along_axis(row_of_slot, order, np.arange(T * K)[None, :], axis=1)
-  return (rank * T + order // K).reshape(-1), (rank * T * K + row_of_slot).reshape(-1, K)
+  order = np.argsort(ctx.inputs.topk_ids.reshape(s.ranks, -1), axis=1, kind="stable")
+  return (np.arange(s.ranks)[:, None] * s.tokens + order // s.topk).reshape(-1)
 
 
 def _bitwise_equal(got, want) -> bool:
@@ -352,7 +347,7 @@ def fanout_method(ctx: Context) -> Method:
   row traffic of a dispatch at expert padding 1, with the routing already sorted before the
   loop. A floor for the dispatch kernels measured in the same run."""
   s = ctx.shape
-  token_of_row, _ = _host_slots_by_expert(ctx)
+  token_of_row = _host_token_of_row(ctx)
   want = (ctx.expected.rows[token_of_row],) + (
       (ctx.expected.scales[token_of_row],) if s.fp8 else ())
 
