@@ -46,11 +46,8 @@ __device__ inline char* rows_of(const ProxyRowsView& v, int p) {
   return device != nullptr ? device : v.peers[p];
 }
 
-// This rank's buffer where the rows and combine terms of rank p land: its device buffer when
-// p is on this host and the rows stay in device memory, else its host buffer.
-__device__ inline char* rows_from(const ProxyRowsView& v, int p) {
-  return v.near_rows != nullptr && v.near_rows[p] != nullptr ? v.rows : v.buffer;
-}
+// This rank's buffer where the rows and combine terms of rank p land (ProxyRowsView).
+__device__ inline char* rows_from(const ProxyRowsView& v, int p) { return v.rows_from[p]; }
 
 // Token t's row slot of source `src` as this rank's receive side reads it: device memory for
 // its own tokens, recv_tokens[src][t] of rows_from(src) for the others'.

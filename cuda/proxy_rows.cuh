@@ -71,10 +71,13 @@ struct ProxyRowsView {
   char* buffer;              // this rank's host buffer, mapped
   // Where the rows of the ranks of this host go when they stay in device memory (the
   // rank state's PeerBuffers, JAX_MOE_PROXY_NEAR_ROWS=device): device [R] every rank's device
-  // buffer in the host layout as mapped here (null for ranks on other hosts), and this
-  // rank's. Null when the rows of every rank go through the host buffers.
+  // buffer in the host layout as mapped here (null for ranks on other hosts, and for every
+  // rank without near device rows).
   char* const* near_rows;
-  char* rows;
+  // Device [R]: where the rows and combine terms of rank p land for this rank: its device
+  // buffer in the host layout (near device rows, or a rank on another host whose writes
+  // land in device memory: JAX_MOE_PROXY_HMEM), else its host buffer.
+  char* const* rows_from;
   char* self;                // device [self_layout(dims).total]: rows for this rank itself
   ProxyControl* control;     // mapped: the kernels' words for the CPU
   const ProxyControl* control_copy;  // device: the CPU's words (go, token_count, zero_count)

@@ -66,6 +66,33 @@ def proxy_near_rows() -> str:
   return text
 
 
+PROXY_HMEM_CHOICES = ("off", "on", "auto")
+# Providers that register device memory for RDMA (GPUDirect); JAX_MOE_PROXY_HMEM=auto uses it
+# with these.
+HMEM_PROVIDERS = ("efa", "verbs")
+
+
+def proxy_hmem() -> str:
+  """JAX_MOE_PROXY_HMEM: whether a cuda communicator through host proxies receives the rows
+  of ranks on other hosts straight into device memory (libfabric FI_HMEM: the TransferEngine
+  writes into a device buffer in the host layout; routes and flags stay in host memory): "off"
+  (default, until this path has run on a GPU cluster: rows land in the host buffer), "on"
+  (required: creating the communicator fails where the provider does not grant FI_HMEM) or
+  "auto" (on with the providers of HMEM_PROVIDERS, off otherwise)."""
+  text = os.environ.get("JAX_MOE_PROXY_HMEM", "off")
+  if text not in PROXY_HMEM_CHOICES:
+    raise ValueError(f"JAX_MOE_PROXY_HMEM must be one of {PROXY_HMEM_CHOICES}, got {text!r}")
+  return text
+
+
+def proxy_rows_device_from_remote() -> bool:
+  """Whether remote ranks' rows land in device memory (proxy_hmem() and the provider)."""
+  choice = proxy_hmem()
+  if choice == "auto":
+    return host_provider().split(";")[0] in HMEM_PROVIDERS
+  return choice == "on"
+
+
 MLA_DECODE_CHOICES = ("auto", "pallas", "xla")  # jax_moe.models.mla_decode's implementations
 
 

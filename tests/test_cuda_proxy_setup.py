@@ -57,6 +57,27 @@ def test_proxy_choices_refuse_other_values(monkeypatch, name, read, values, bad)
         read()
 
 
+@pytest.mark.parametrize("hmem, provider, expected", [
+    (None, "efa", False), ("off", "efa", False), ("on", "shm", True), ("on", "tcp;ofi_rxm", True),
+    ("auto", "shm", False), ("auto", "tcp;ofi_rxm", False), ("auto", "efa", True),
+    ("auto", "verbs;ofi_rxm", True)])
+def test_remote_rows_land_in_device_memory_when_hmem_asks(monkeypatch, hmem, provider, expected):
+    # Off by default (until the path has run on a GPU cluster); auto: the RDMA providers only.
+    if hmem is None:
+        monkeypatch.delenv("JAX_MOE_PROXY_HMEM", raising=False)
+    else:
+        monkeypatch.setenv("JAX_MOE_PROXY_HMEM", hmem)
+    monkeypatch.setenv("JAX_MOE_HOST_PROVIDER", provider)
+    assert settings.proxy_rows_device_from_remote() is expected
+
+
+@pytest.mark.parametrize("bad", ["", "1", "On", "device"])
+def test_hmem_refuses_other_values(monkeypatch, bad):
+    monkeypatch.setenv("JAX_MOE_PROXY_HMEM", bad)
+    with pytest.raises(ValueError, match=r"JAX_MOE_PROXY_HMEM must be one of \('off', 'on'"):
+        settings.proxy_rows_device_from_remote()
+
+
 def fake_devices(processes):
     return np.array([[types.SimpleNamespace(process_index=p) for p in processes]])
 

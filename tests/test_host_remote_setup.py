@@ -55,15 +55,20 @@ def test_connect_order_is_enforced(rank0):
     # -1 marks a remote or near rank, and rank 1 is neither before host_open_remote.
     with pytest.raises(ValueError, match="rank 1 has ordinal -1, but it is neither a remote nor a near rank"):
         module.host_connect_rank(comm_id, 0, [0, -1])
-    card, descriptor = module.host_open_remote(comm_id, 0, [1], "shm", "", [], 0)
+    card, descriptor, rows = module.host_open_remote(comm_id, 0, [1], "shm", "", [], 0)
+    assert rows == b""  # no device rows asked for
     with pytest.raises(ValueError, match="already has its peers"):
         module.host_open_remote(comm_id, 0, [1], "shm", "", [], 0)
     with pytest.raises(ValueError, match="remote ranks not connected yet"):
         module.host_connect_rank(comm_id, 0, [0, -1])
     with pytest.raises(module.TransportError, match="rank 0 is not a remote rank"):
-        module.host_connect_remote(comm_id, 0, 0, card, descriptor)
+        module.host_connect_remote(comm_id, 0, 0, card, descriptor, rows)
     with pytest.raises(module.TransportError):  # a descriptor is not an address card
-        module.host_connect_remote(comm_id, 0, 1, descriptor, descriptor)
+        module.host_connect_remote(comm_id, 0, 1, descriptor, descriptor, rows)
+    # A peer whose rows land in device memory (JAX_MOE_PROXY_HMEM) needs this rank to send
+    # them there with an engine that has FI_HMEM: both ends must agree.
+    with pytest.raises(module.TransportError, match="same JAX_MOE_PROXY_HMEM"):
+        module.host_connect_remote(comm_id, 0, 1, card, descriptor, b"device rows of rank 1")
 
 
 def test_remote_setup_needs_a_rank_state_with_remote_peers(rank0):
@@ -71,4 +76,4 @@ def test_remote_setup_needs_a_rank_state_with_remote_peers(rank0):
     with pytest.raises(ValueError, match="no rank state"):
         module.host_open_remote(next(_comm_ids), 0, [1], "shm", "", [], 0)
     with pytest.raises(ValueError, match="no remote peers opened"):
-        module.host_connect_remote(comm_id, 0, 1, b"", b"")
+        module.host_connect_remote(comm_id, 0, 1, b"", b"", b"")

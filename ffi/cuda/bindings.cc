@@ -24,23 +24,35 @@ void bind_cuda(nb::module_& m) {
   m.def(
       "cuda_create_rank",
       [](int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s, bool proxy,
-         int chunks, bool stage_clocks, bool stream_wait, bool near_rows_device) {
+         int chunks, bool stage_clocks, bool stream_wait, bool near_rows_device,
+         bool remote_rows_device) {
         check_dims(dims);
         if (proxy)
           create_proxy_rank_state(comm_id, ordinal, dims, timeout_s, stream_wait,
-                                  near_rows_device);
+                                  DeviceRows{near_rows_device, remote_rows_device});
         else create_rank_state(comm_id, ordinal, dims, chunks, timeout_s, stage_clocks);
       },
       nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("dims"), nb::arg("timeout_s"),
       nb::arg("proxy") = false, nb::arg("chunks") = 0, nb::arg("stage_clocks") = false,
       nb::arg("stream_wait") = true, nb::arg("near_rows_device") = false,
+      nb::arg("remote_rows_device") = false,
       "Allocates the buffers of one rank of a CUDA communicator on local device `ordinal` "
       "(NVLink protocol of `chunks` token chunks, equal on every rank; with `stage_clocks` "
       "also the kernels' per-block stage timestamps); with `proxy`, the pinned staging and "
       "doorbell of its host proxy instead (the host rank state of the same ids then does the "
       "exchange; `stream_wait`: the stream waits for the proxy with stream memory operations, "
       "else a kernel spins; `near_rows_device`: rows from ranks of this host land in device "
-      "memory that those ranks map, cuda_connect_rank before cuda_start_proxy).");
+      "memory that those ranks map, cuda_connect_rank before cuda_start_proxy; "
+      "`remote_rows_device`: rows from ranks on other hosts land there too, written by the "
+      "TransferEngine (host_open_remote with cuda_device_rows).");
+  m.def(
+      "cuda_device_rows",
+      [](int64_t comm_id, int ordinal) {
+        return reinterpret_cast<uintptr_t>(device_rows_buffer(comm_id, ordinal));
+      },
+      nb::arg("comm_id"), nb::arg("ordinal"),
+      "Device address of a proxy rank's device buffer in the host layout (made with "
+      "remote_rows_device), for host_open_remote to register with FI_HMEM.");
   m.def(
       "cuda_stage_clocks",
       [](int64_t comm_id, int ordinal) -> nb::object {
@@ -118,6 +130,9 @@ void bind_cuda(nb::module_& m) {
       },
       nb::arg("comm_id"), nb::arg("ordinal"),
       "(code, stage, rank, detail) of the recorded error, cleared; None when none.");
+  m.def("cuda_stop_proxy", &stop_rank_proxy, nb::arg("comm_id"), nb::arg("ordinal"),
+        "Stops a proxy rank's thread and releases its host mappings (before host_destroy_rank; "
+        "nothing for other ranks).");
   m.def("cuda_destroy_rank", &destroy_rank_state, nb::arg("comm_id"), nb::arg("ordinal"),
         "Synchronizes the device and frees the rank's buffers.");
 }

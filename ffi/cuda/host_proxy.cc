@@ -109,8 +109,13 @@ CudaProxy::Areas CudaProxy::areas_for(const MoeDims& d) {
   return a;
 }
 
-CudaProxy::CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool stream_wait)
-    : dims_(dims), ordinal_(ordinal), wait_ns_(wait_ns), areas_(areas_for(dims)) {
+CudaProxy::CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool stream_wait,
+                     DeviceRows device_rows)
+    : dims_(dims),
+      ordinal_(ordinal),
+      wait_ns_(wait_ns),
+      device_rows_(device_rows),
+      areas_(areas_for(dims)) {
   if (stream_wait) wait_value_ = stream_wait_entry();
   try {
     constexpr unsigned kMapped = cudaHostAllocMapped | cudaHostAllocPortable;
@@ -134,10 +139,13 @@ CudaProxy::CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool st
                "cudaMemcpy(scratch)");
     check_cuda(cudaMalloc(reinterpret_cast<void**>(&peers_device_), sizeof(char*) * dims.world),
                "cudaMalloc(peers)");
+    check_cuda(cudaMalloc(reinterpret_cast<void**>(&rows_from_), sizeof(char*) * dims.world),
+               "cudaMalloc(rows_from)");
     check_cuda(cudaMalloc(reinterpret_cast<void**>(&self_), self_layout(dims).total),
                "cudaMalloc(self rows)");
   } catch (...) {
     cudaFree(self_);
+    cudaFree(rows_from_);
     cudaFree(peers_device_);
     cudaFree(scratch_);
     cudaFree(control_copy_);
@@ -147,13 +155,22 @@ CudaProxy::CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool st
   }
 }
 
-CudaProxy::~CudaProxy() {
+void CudaProxy::stop() {
   stop_.store(true);
   if (thread_.joinable()) thread_.join();
-  // The caller synchronized the device (ffi/cuda/state.cc), so no kernel uses the mappings;
-  // the host memory itself is freed later, with the host rank state.
+  // No kernel may use the mappings when they go; the host memory itself is freed later, with
+  // the host rank state.
+  cudaSetDevice(ordinal_);
+  cudaDeviceSynchronize();
   for (void* memory : registered_) cudaHostUnregister(memory);
+  registered_.clear();
+  cudaGetLastError();
+}
+
+CudaProxy::~CudaProxy() {
+  stop();
   cudaFree(self_);
+  cudaFree(rows_from_);
   cudaFree(peers_device_);
   cudaFree(scratch_);
   cudaFree(control_copy_);
@@ -167,10 +184,15 @@ void CudaProxy::register_host(void* memory, size_t bytes) {
   registered_.push_back(memory);
 }
 
-void CudaProxy::start(host::HostRankState* host_state) {
+void CudaProxy::start(host::HostRankState* host_state, char* device_buffer,
+                      const std::vector<char*>& near_table) {
   if (thread_.joinable()) throw std::invalid_argument("jax_moe cuda proxy: already started");
   if (host_state == nullptr || !host_state->connected)
     throw std::invalid_argument("jax_moe cuda proxy: the host rank state must be connected first");
+  if ((device_rows_.near || device_rows_.remote) != (device_buffer != nullptr) ||
+      (!near_table.empty() && int(near_table.size()) != dims_.world))
+    throw std::invalid_argument("jax_moe cuda proxy: the device rows buffer or table does not "
+                                "match the rank's DeviceRows");
   check_cuda(cudaSetDevice(ordinal_), "cudaSetDevice");
   // The kernels address every rank's host buffer by its host address, which needs registered
   // memory mapped at the same address: this rank's, its mappings of the near ranks' buffers
@@ -195,6 +217,26 @@ void CudaProxy::start(host::HostRankState* host_state) {
   check_cuda(cudaMemcpy(peers_device_, host_state->peers.data(), sizeof(char*) * dims_.world,
                         cudaMemcpyHostToDevice),
              "cudaMemcpy(peers)");
+  // Where each rank's rows land here: the device buffer for mapped near ranks and, with
+  // remote device rows, for ranks on other hosts (they write it through the TransferEngine,
+  // host_remote.py connects them to it); the host buffer for the rest.
+  std::vector<char*> from(dims_.world, host_state->buffer);
+  for (int p = 0; p < dims_.world; ++p) {
+    const bool near = !near_table.empty() && near_table[p] != nullptr;
+    const bool remote = device_rows_.remote && host_state->remote != nullptr &&
+                        host_state->remote->is_remote(p);
+    if (near || remote) from[p] = device_buffer;
+  }
+  check_cuda(cudaMemcpy(rows_from_, from.data(), sizeof(char*) * dims_.world,
+                        cudaMemcpyHostToDevice),
+             "cudaMemcpy(rows_from)");
+  if (device_rows_.remote) {
+    int options = 0;
+    check_cuda(cudaDeviceGetAttribute(&options, cudaDevAttrGPUDirectRDMAFlushWritesOptions,
+                                      ordinal_),
+               "cudaDeviceGetAttribute(GPUDirectRDMAFlushWritesOptions)");
+    flush_remote_writes_ = (options & cudaFlushGPUDirectRDMAWritesOptionHost) != 0;
+  }
   host_ = host_state;
   thread_ = std::thread([this] { run(); });
 }
@@ -234,8 +276,8 @@ ProxyRowsView CudaProxy::rows_view(const CommView& v) const {
   r.dims = dims_;
   r.peers = peers_device_;
   r.buffer = buffer_device_;
-  r.near_rows = v.peers;  // PeerBuffers of the rank state: null unless near rows stay on GPUs
-  r.rows = v.local;
+  r.near_rows = v.peers;  // PeerBuffers of the rank state: null without device rows
+  r.rows_from = rows_from_;
   r.self = self_;
   r.control = device_area<ProxyControl>(areas_.control);
   r.control_copy = control_copy_;
@@ -251,6 +293,7 @@ ProxyRowsView CudaProxy::rows_view(const CommView& v) const {
 }
 
 void CudaProxy::run() {
+  cudaSetDevice(ordinal_);  // for the flush of remote writes (serve)
   uint64_t served = 0;
   int64_t answered_at = -1;
   auto last_request = Clock::now();
@@ -336,6 +379,15 @@ void CudaProxy::serve(uint32_t op) {
     default:  // the send halves' closing phases ran above
       break;
   }
+  // Rows written into the device buffer by a NIC (GPUDirect RDMA) are visible to the next
+  // kernel only after a flush where the device asks for one; the receive half's kernel reads
+  // them after this answer. (A failure breaks the rank: run() records it.)
+  const bool received = op == kOpDispatchRecv || op == kOpDispatchJoint ||
+                        op == kOpCombineRecv || op == kOpCombineJoint;
+  if (received && phase_ok_ && flush_remote_writes_)
+    check_cuda(cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
+                                                  cudaFlushGPUDirectRDMAWritesToOwner),
+               "cudaDeviceFlushGPUDirectRDMAWrites");
   if (opens_phase(op)) c.go = phase_ok_ ? 1 : 0;
 }
 

@@ -52,20 +52,38 @@ struct ProxySample {
 // the samples say which phase they timed without a second copy of the op codes.
 const char* proxy_op_name(uint32_t op);
 
+// Which rows other ranks send land in the rank's device buffer in the host layout (the rank
+// state's PeerBuffers::local) instead of its host buffer: those of the ranks of its host
+// (`near`, JAX_MOE_PROXY_NEAR_ROWS=device: they map it) and those of ranks on other hosts
+// (`remote`, JAX_MOE_PROXY_HMEM: the TransferEngine writes it, FI_HMEM).
+struct DeviceRows {
+  bool near = false;
+  bool remote = false;
+};
+
 class CudaProxy {
  public:
   // Allocates the mapped staging, scratch and the doorbell for a rank of `dims` on device
   // `ordinal` (current). With `stream_wait` the stream waits for each request with a stream
   // memory operation (no spinning kernel; bounded by the proxy's own waits), else the ringing
   // kernel spins for at most `wait_ns`. Throws std::runtime_error.
-  CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool stream_wait);
-  ~CudaProxy();  // stops the thread, unregisters and frees the host memory
+  CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool stream_wait,
+            DeviceRows device_rows);
+  ~CudaProxy();  // stop(), then frees the proxy's memory
   CudaProxy(const CudaProxy&) = delete;
   CudaProxy& operator=(const CudaProxy&) = delete;
 
-  // Maps the host memory of `host_state` (connected; outlives this proxy) into the device and
-  // starts serving the requests with it. Throws std::invalid_argument, std::runtime_error.
-  void start(host::HostRankState* host_state);
+  // Maps the host memory of `host_state` (connected) into the device and starts serving the
+  // requests with it. `device_buffer`: the rank's device buffer in the host layout (null
+  // without DeviceRows); `near_table`: every rank's device buffer as mapped here (null
+  // for ranks whose rows do not come through device memory of this host; empty without near
+  // device rows). Throws std::invalid_argument, std::runtime_error.
+  void start(host::HostRankState* host_state, char* device_buffer,
+             const std::vector<char*>& near_table);
+  // Stops the thread, waits for the device and unregisters the host memory; after it the
+  // host rank state (and the TransferEngine writing into device_buffer) may go. Idempotent.
+  void stop();
+  const DeviceRows& device_rows() const { return device_rows_; }
   // True once the host exchange gave up on a peer: the ranks' sequences no longer agree.
   bool timed_out() const;
   // The samples since the last call, oldest first (at most kMaxSamples).
@@ -120,6 +138,11 @@ class CudaProxy {
   MoeDims dims_;
   int ordinal_;
   uint64_t wait_ns_;
+  DeviceRows device_rows_;
+  // A receive half's first phase makes the rows that landed in device memory through the
+  // NIC visible to the kernel that follows (GPUDirect RDMA writes: a flush), where the
+  // device needs it.
+  bool flush_remote_writes_ = false;
   // cuStreamWaitValue32 (the driver's, reached through the runtime: libcuda is not linked),
   // when the stream waits for the proxy with a memory operation; null: the kernel spins.
   decltype(&cuStreamWaitValue32) wait_value_ = nullptr;
@@ -132,6 +155,7 @@ class CudaProxy {
   ProxyControl* control_copy_ = nullptr;     // device memory: *control_ after a first phase
   ProxyScratch* scratch_ = nullptr;          // device memory
   char** peers_device_ = nullptr;            // device [R]: the host state's peers, mapped
+  char** rows_from_ = nullptr;               // device [R]: ProxyRowsView::rows_from
   char* self_ = nullptr;                     // device [self_layout]: the rank's rows to itself
   char* buffer_device_ = nullptr;            // the host state's buffer, mapped
   std::vector<void*> registered_;            // host memory this proxy registered

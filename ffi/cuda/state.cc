@@ -235,7 +235,7 @@ void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, 
 }
 
 void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s,
-                             bool stream_wait, bool near_rows_device) {
+                             bool stream_wait, DeviceRows device_rows) {
   validate_dims(dims);
   check_timeout(timeout_s);
   // The host exchange of one request may wait twice (for the peers' acknowledgement, then
@@ -244,10 +244,24 @@ void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, 
   // by the stream's wait.
   const uint64_t wait_ns = static_cast<uint64_t>((3 * timeout_s + 1) * 1e9);
   create_state(new_state(comm_id, ordinal, dims, timeout_s),
-               [wait_ns, stream_wait, near_rows_device](CudaRankState& s) {
-    s.proxy = std::make_unique<CudaProxy>(s.dims, s.ordinal, wait_ns, stream_wait);
-    if (near_rows_device) alloc_peer_buffers(s, buffer_layout(s.dims).total);
+               [wait_ns, stream_wait, device_rows](CudaRankState& s) {
+    s.proxy = std::make_unique<CudaProxy>(s.dims, s.ordinal, wait_ns, stream_wait, device_rows);
+    if (device_rows.near || device_rows.remote) {
+      alloc_peer_buffers(s, buffer_layout(s.dims).total);
+      // No rank's rows come through a mapping until connect_rank_state maps the near ones.
+      check_cuda(cudaMemset(s.peers.table_device, 0, sizeof(char*) * s.dims.world),
+                 "cudaMemset(peer table)");
+    }
   });
+}
+
+char* device_rows_buffer(int64_t comm_id, int ordinal) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  CudaRankState& s = lookup(comm_id, ordinal);
+  if (!s.proxy || !s.proxy->device_rows().remote)
+    throw std::invalid_argument("jax_moe cuda backend: " + key_text(comm_id, ordinal) +
+                                " is not a proxy rank whose remote rows land in device memory");
+  return s.peers.local;
 }
 
 void start_rank_proxy(int64_t comm_id, int ordinal) {
@@ -256,12 +270,18 @@ void start_rank_proxy(int64_t comm_id, int ordinal) {
   if (!s.proxy)
     throw std::invalid_argument("jax_moe cuda backend: not a proxy rank: " +
                                 key_text(comm_id, ordinal));
-  if (s.peers.local != nullptr && !s.connected)
+  if (s.proxy->device_rows().near && !s.connected)
     throw std::invalid_argument("jax_moe cuda backend: the device rows of " +
                                 key_text(comm_id, ordinal) +
                                 " are not mapped yet (cuda_connect_rank before the proxy)");
-  s.proxy->start(host::find_host_rank(comm_id, ordinal));
+  s.proxy->start(host::find_host_rank(comm_id, ordinal), s.peers.local, s.peers.table);
   s.connected = true;
+}
+
+void stop_rank_proxy(int64_t comm_id, int ordinal) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry().find({comm_id, ordinal});
+  if (it != registry().end() && it->second->proxy) it->second->proxy->stop();
 }
 
 std::vector<ProxySample> take_proxy_samples(int64_t comm_id, int ordinal) {
@@ -325,6 +345,7 @@ void connect_rank_state(int64_t comm_id, int ordinal, const std::vector<int>& lo
   check_cuda(cudaMemcpy(s.peers.table_device, peers.data(), sizeof(char*) * R,
                         cudaMemcpyHostToDevice),
              "cudaMemcpy(peer table)");
+  s.peers.table = peers;
   s.connected = true;
 }
 

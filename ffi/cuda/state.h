@@ -24,6 +24,7 @@ namespace jax_moe {
 struct PeerBuffers {
   char* local = nullptr;           // this rank's buffer (nvlink_layout or all_reduce_layout)
   char** table_device = nullptr;   // device array [R] of every rank's buffer, mapped here
+  std::vector<char*> table;        // the same on the host (empty until connected)
   std::vector<char*> ipc_opened;   // buffers of ranks in other processes, through CUDA IPC
 };
 
@@ -81,13 +82,21 @@ void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, 
                              double timeout_s);
 // The state of a rank whose exchanges go through its host proxy (ffi/cuda/host_proxy.h);
 // `stream_wait`: the stream waits for the proxy with stream memory operations;
-// `near_rows_device`: a device buffer in the host layout (peers.local) receives the rows of
-// the ranks of this host, which map it (connect_rank_state, before start_rank_proxy).
+// `device_rows`: which ranks' rows land in a device buffer in the host layout (peers.local):
+// those of this host, which map it (connect_rank_state, before start_rank_proxy), and those
+// of other hosts, which write it through the TransferEngine (device_rows_buffer).
 void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s,
-                             bool stream_wait, bool near_rows_device);
+                             bool stream_wait, DeviceRows device_rows);
+// The device buffer in the host layout of a proxy rank with DeviceRows (its buffer_layout
+// total bytes), for the TransferEngine to register; throws without one.
+char* device_rows_buffer(int64_t comm_id, int ordinal);
 // Starts the proxy of a rank made by create_proxy_rank_state, serving with the host rank
 // state of the same (comm id, ordinal), which must be connected; the rank is then connected.
 void start_rank_proxy(int64_t comm_id, int ordinal);
+// Stops the proxy thread of a rank and releases its mappings of host memory: before the host
+// rank state goes (its TransferEngine may write the rank's device rows until it is closed),
+// and before destroy_rank_state. Does nothing for other ranks.
+void stop_rank_proxy(int64_t comm_id, int ordinal);
 // The proxy's samples since the last call (ffi/cuda/host_proxy.h).
 std::vector<ProxySample> take_proxy_samples(int64_t comm_id, int ordinal);
 // CUDA IPC handle (64 bytes) of the rank's buffer, for peers in other processes.

@@ -46,7 +46,8 @@ void bind_host_fabric(nb::module_& m) {
       "host_open_remote",
       [](int64_t comm_id, int ordinal, const std::vector<int>& remote_ranks,
          const std::string& provider, const std::string& node,
-         const std::vector<std::string>& domains, uint64_t shuffle_seed) {
+         const std::vector<std::string>& domains, uint64_t shuffle_seed, uintptr_t device_rows,
+         int cuda_device) {
         host::HostRankState& s = rank_state(comm_id, ordinal);
         if (s.remote != nullptr || s.connected) {
           throw std::invalid_argument("jax_moe host backend: rank " +
@@ -60,26 +61,34 @@ void bind_host_fabric(nb::module_& m) {
         config.domains = domains;
         config.timeout_s = s.timeout_s;
         config.shuffle_seed = shuffle_seed;
-        auto peers = std::make_unique<host::FabricPeers>(config, s.dims, remote_ranks, s.buffer);
+        config.cuda_memory = device_rows != 0;
+        auto peers = std::make_unique<host::FabricPeers>(
+            config, s.dims, remote_ranks, s.buffer, reinterpret_cast<char*>(device_rows),
+            cuda_device);
         nb::tuple card = nb::make_tuple(as_bytes(peers->address()),
-                                        as_bytes(peers->buffer_descriptor()));
+                                        as_bytes(peers->buffer_descriptor()),
+                                        as_bytes(peers->device_rows_descriptor()));
         s.remote = std::move(peers);
         return card;
       },
       nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("remote_ranks"), nb::arg("provider"),
-      nb::arg("node"), nb::arg("domains"), nb::arg("shuffle_seed"),
+      nb::arg("node"), nb::arg("domains"), nb::arg("shuffle_seed"), nb::arg("device_rows") = 0,
+      nb::arg("cuda_device") = -1,
       "Opens the TransferEngine of a host rank whose communicator has ranks in other "
-      "processes (`remote_ranks`); returns (address card, buffer descriptor) for them.");
+      "processes (`remote_ranks`); returns (address card, buffer descriptor, device rows "
+      "descriptor or b'') for them. `device_rows` (a cuda proxy rank's cuda_device_rows on "
+      "device `cuda_device`, 0 for none): the rows those ranks send land there (FI_HMEM).");
   m.def(
       "host_connect_remote",
       [](int64_t comm_id, int ordinal, int peer, const nb::bytes& card,
-         const nb::bytes& descriptor) {
+         const nb::bytes& descriptor, const nb::bytes& device_rows_descriptor) {
         fabric_peers(rank_state(comm_id, ordinal))
             .connect(peer, std::string(card.c_str(), card.size()),
-                     std::string(descriptor.c_str(), descriptor.size()));
+                     std::string(descriptor.c_str(), descriptor.size()),
+                     std::string(device_rows_descriptor.c_str(), device_rows_descriptor.size()));
       },
       nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("peer"), nb::arg("card"),
-      nb::arg("descriptor"),
+      nb::arg("descriptor"), nb::arg("device_rows_descriptor"),
       "Connects a host rank to remote rank `peer` (what host_open_remote returned there).");
 }
 

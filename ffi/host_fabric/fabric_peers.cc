@@ -31,11 +31,14 @@ constexpr auto kStuck = std::chrono::milliseconds(50);
 }  // namespace
 
 FabricPeers::FabricPeers(const transport::Config& config, const MoeDims& dims,
-                         const std::vector<int>& remote_ranks, char* buffer)
+                         const std::vector<int>& remote_ranks, char* buffer, char* device_rows,
+                         int cuda_device)
     : engine_(config),
       buffer_bytes_(buffer_layout(dims).total),
+      rows_begin_(buffer_layout(dims).recv_tokens),
       staging_index_(dims.world, -1),
       group_of_(dims.world, -1),
+      rows_group_of_(dims.world, -1),
       backlog_(dims.world),
       busy_since_(dims.world),
       unreachable_(dims.world, false) {
@@ -58,6 +61,11 @@ FabricPeers::FabricPeers(const transport::Config& config, const MoeDims& dims,
         std::to_string(engine_.facts().max_msg_size) + " bytes); lower max_tokens or hidden");
   }
   buffer_region_ = engine_.register_memory(buffer, buffer_bytes_);
+  if (device_rows != nullptr) {
+    if (cuda_device < 0)
+      throw transport::TransportError("host backend: device rows need their CUDA device");
+    device_rows_region_ = engine_.register_memory(device_rows, buffer_bytes_, cuda_device);
+  }
   // Each staging copy is address space for a whole buffer with only this rank's extents
   // committed and registered (staging_extents.h).
   staging_stride_ = page_rounded(buffer_bytes_);
@@ -93,13 +101,29 @@ FabricPeers::~FabricPeers() {
   }
 }
 
-void FabricPeers::connect(int peer, const std::string& card, const std::string& descriptor) {
+std::string FabricPeers::device_rows_descriptor() const {
+  return device_rows_region_ < 0 ? std::string() : engine_.region_descriptor(device_rows_region_);
+}
+
+void FabricPeers::connect(int peer, const std::string& card, const std::string& descriptor,
+                          const std::string& device_rows_descriptor) {
   if (!is_remote(peer) || group_of_[peer] >= 0) {
     throw transport::TransportError("host backend: rank " + std::to_string(peer) +
                                     " is not a remote rank waiting to be connected");
   }
+  // A rank with device rows receives them through writes into device memory, which its
+  // senders post only if their engines have FI_HMEM as well: both ends must agree.
+  if (device_rows_descriptor.empty() != (device_rows_region_ < 0)) {
+    throw transport::TransportError(
+        "host backend: rank " + std::to_string(peer) +
+        (device_rows_descriptor.empty() ? " receives rows in host memory while this rank"
+                                        : " receives rows in device memory while this rank") +
+        " does not; every process must set the same JAX_MOE_PROXY_HMEM (and provider)");
+  }
   engine_.add_peer(card);
   group_of_[peer] = engine_.create_group({{uint32_t(peer), descriptor}});
+  if (!device_rows_descriptor.empty())
+    rows_group_of_[peer] = engine_.create_group({{uint32_t(peer), device_rows_descriptor}});
 }
 
 bool FabricPeers::connected() const {
@@ -141,6 +165,17 @@ std::pair<int, uint64_t> FabricPeers::source_of(int peer, const Span& span) cons
                                   " lies outside this rank's staging extents");
 }
 
+int FabricPeers::group_for(int peer, const Span& span) const {
+  if (rows_group_of_[peer] < 0 || span.offset + span.length <= rows_begin_)
+    return group_of_[peer];
+  if (span.offset >= rows_begin_) return rows_group_of_[peer];
+  // The exchange never merges routes with rows (remote_spans.h): a bug of the protocol code.
+  throw transport::TransportError("host backend: the span [" + std::to_string(span.offset) +
+                                  ", +" + std::to_string(span.length) + ") to rank " +
+                                  std::to_string(peer) +
+                                  " crosses from the routes into the rows part of the layout");
+}
+
 bool FabricPeers::post(Signal signal, uint64_t seq,
                        const std::vector<std::vector<Span>>& spans_by_peer, double timeout_s,
                        int* failed_peer) {
@@ -156,11 +191,13 @@ bool FabricPeers::post(Signal signal, uint64_t seq,
         continue;
       }
       const std::vector<Span>& spans = spans_by_peer[peer];
-      if (spans.empty()) backlog_[peer].push_back({buffer_region_, {}, tag, deadline});
+      if (spans.empty())
+        backlog_[peer].push_back({group_of_[peer], buffer_region_, {}, tag, deadline});
       for (const Span& span : spans) {
         const auto [region, offset] = source_of(peer, span);
-        backlog_[peer].push_back(
-            {region, transport::Slice{offset, span.length, span.offset}, tag, deadline});
+        backlog_[peer].push_back({group_for(peer, span), region,
+                                  transport::Slice{offset, span.length, span.offset}, tag,
+                                  deadline});
       }
     }
     peer = -1;
@@ -189,7 +226,7 @@ bool FabricPeers::drain() {
       while (!queue.empty()) {
         const Deferred& write = queue.front();
         try {
-          engine_.scatter(group_of_[peer], write.region, {write.slice}, write.tag,
+          engine_.scatter(write.group, write.region, {write.slice}, write.tag,
                           kPostTurnSeconds);
         } catch (const transport::TransportBusy&) {
           const auto now = transport::Clock::now();

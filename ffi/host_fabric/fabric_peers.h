@@ -2,7 +2,10 @@
 // the rank's index on the communicator axis, so an immediate's source names the sending rank.
 // Registered with the engine: the rank's own buffer (remote peers write into it) and the
 // extents of one staging copy per remote peer (the sources of this rank's writes,
-// ffi/host/staging_extents.h). Exists only in builds with libfabric.
+// ffi/host/staging_extents.h); for a cuda proxy rank whose remote rows land in device memory
+// (JAX_MOE_PROXY_HMEM), also its device buffer in the same layout (FI_HMEM): the remote ranks
+// write the rows part of the layout (recv_tokens and the combine region) there and the rest
+// (routes, through the host) into the host buffer. Exists only in builds with libfabric.
 #pragma once
 
 #include <cstdint>
@@ -22,16 +25,23 @@ namespace jax_moe::host {
 class FabricPeers : public RemotePeers {
  public:
   // Opens the engine of rank dims.rank and registers `buffer` (buffer_layout(dims).total
-  // bytes) and a staging copy for every rank in `remote_ranks`. Throws TransportError.
+  // bytes) and a staging copy for every rank in `remote_ranks`; with `device_rows` (a device
+  // buffer of the same size on CUDA device `cuda_device`; `config` must ask for cuda_memory)
+  // registers that too, for the rows the remote ranks send. Throws TransportError.
   FabricPeers(const transport::Config& config, const MoeDims& dims,
-              const std::vector<int>& remote_ranks, char* buffer);
+              const std::vector<int>& remote_ranks, char* buffer, char* device_rows = nullptr,
+              int cuda_device = -1);
   ~FabricPeers() override;
 
-  // What a remote peer needs: this engine's address card and the descriptor of the buffer.
+  // What a remote peer needs: this engine's address card and the descriptors of the buffer
+  // and of the device rows ("" without them).
   std::string address() const { return engine_.address(); }
   std::string buffer_descriptor() const { return engine_.region_descriptor(buffer_region_); }
-  // Adds remote rank `peer` (its card and buffer descriptor); every remote rank once.
-  void connect(int peer, const std::string& card, const std::string& descriptor);
+  std::string device_rows_descriptor() const;
+  // Adds remote rank `peer` (its card and descriptors); every remote rank once. Its rows go
+  // to its device rows when it has them, which it must exactly when this rank has them.
+  void connect(int peer, const std::string& card, const std::string& descriptor,
+               const std::string& device_rows_descriptor);
 
   bool is_remote(int peer) const override;
   bool connected() const override;
@@ -50,21 +60,28 @@ class FabricPeers : public RemotePeers {
   };
   // The engine region and offset in it of `span` of the staging copy of remote `peer`.
   std::pair<int, uint64_t> source_of(int peer, const Span& span) const;
+  // The group `span` goes to: the peer's device rows for the rows part of the layout, when
+  // it has them, else its buffer.
+  int group_for(int peer, const Span& span) const;
 
   transport::TransferEngine engine_;
   uint64_t buffer_bytes_;
+  uint64_t rows_begin_;  // where the rows part of the layout starts (BufferLayout::recv_tokens)
   int buffer_region_ = -1;
+  int device_rows_region_ = -1;  // this rank's device rows, or -1
   std::vector<int> staging_index_;  // [world] index of the peer's staging copy, -1 if local
   uint64_t staging_stride_ = 0;     // bytes between staging copies: the buffer in whole pages
   MappedPages staging_storage_;     // reserved [remote peers][staging_stride_] (page_memory.h)
   std::vector<std::vector<Extent>> staging_regions_;  // [copy][extent] (staging_extents.h)
   std::vector<int> group_of_;  // [world] one-member group of a connected remote peer, else -1
+  std::vector<int> rows_group_of_;  // [world] the same for the peer's device rows, else -1
   // Writes are posted through per-peer queues, in order: a write whose peer's transmit queue
   // is full waits there while the other peers' writes go out (a dead peer must not hold
   // back the writes its survivors wait for). A post returns once its writes are posted, or
   // only peers stuck for a while are left (fabric_peers.cc, kStuck); their writes are posted
   // again by the next post or wait.
   struct Deferred {
+    int group;   // the peer's buffer or device rows
     int region;  // engine region of the staging extent (or the buffer, for an empty slice)
     transport::Slice slice;
     uint32_t tag;

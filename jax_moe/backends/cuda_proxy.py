@@ -12,7 +12,9 @@ through the TransferEngine (libfabric; JAX_MOE_HOST_PROVIDER and JAX_MOE_HOST_NO
 provider, backends/host_remote.py). So one communicator has both kinds of peers. The rows
 between ranks of one host go through their host buffers, or, with
 JAX_MOE_PROXY_NEAR_ROWS=device, through device buffers those ranks map (NVLink, or the same
-GPU; CUDA IPC between processes), while routes and flags stay in host memory.
+GPU; CUDA IPC between processes), while routes and flags stay in host memory. The rows from
+ranks on other hosts land in the host buffer, or, with JAX_MOE_PROXY_HMEM (settings.py), in
+the same device buffer, written by the TransferEngine (libfabric FI_HMEM).
 """
 
 from __future__ import annotations
@@ -51,11 +53,16 @@ class ProxyRanks(RankStates):
     self._native = module
 
     near_rows_device = settings.proxy_near_rows() == "device"
+    hmem = settings.proxy_rows_device_from_remote()
+    remote_rows = set()  # ordinals whose rows from other hosts land in device memory
 
-    def create(comm_id: int, ordinal: int, rank: int, shared: bool) -> None:
+    def create(comm_id: int, ordinal: int, rank: int, shared: bool, remote: bool) -> None:
       module.cuda_create_rank(comm_id=comm_id, ordinal=ordinal, proxy=True,
                               stream_wait=settings.proxy_wait() == "stream",
-                              near_rows_device=near_rows_device, **sizes(rank))
+                              near_rows_device=near_rows_device,
+                              remote_rows_device=hmem and remote, **sizes(rank))
+      if hmem and remote:
+        remote_rows.add(ordinal)
       try:
         module.host_create_rank(comm_id=comm_id, ordinal=ordinal, shared=shared, **sizes(rank))
       except BaseException:
@@ -64,8 +71,10 @@ class ProxyRanks(RankStates):
 
     try:
       # One thread: the proxy's CPU phases keep no row loops (the GPU moves the rows).
-      near = host_remote.connect_host_ranks(self, groups, lambda d: d.local_hardware_id, create,
-                                            owner, 1)
+      near = host_remote.connect_host_ranks(
+          self, groups, lambda d: d.local_hardware_id, create, owner, 1,
+          device_rows=lambda o: module.cuda_device_rows(self.comm_id, o) if o in remote_rows
+          else 0)
       if near_rows_device:
         self._map_near_rows(groups, near, owner)
       for ordinal in self.ordinals:
@@ -94,8 +103,11 @@ class ProxyRanks(RankStates):
     return error if error is not None else self._native.host_take_error(comm_id, ordinal)
 
   def _destroy(self, comm_id: int, ordinal: int) -> None:
-    self._native.cuda_destroy_rank(comm_id, ordinal)  # stops the proxy thread first
+    # The proxy thread serves with the host rank state, and the host rank state's
+    # TransferEngine may write the device rows until it is closed: stop, close, free.
+    self._native.cuda_stop_proxy(comm_id, ordinal)
     self._native.host_destroy_rank(comm_id, ordinal)
+    self._native.cuda_destroy_rank(comm_id, ordinal)
 
   def proxy_samples(self) -> dict:
     """{device ordinal: [(op name, doorbell seen -> first remote write ns or -1, serve ns,

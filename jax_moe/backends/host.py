@@ -83,7 +83,9 @@ class HostBackend(NativeBackend):
     _ordered_ffi().drop_failed_token()
     return super().check()
 
-  def _create_rank(self, comm_id: int, ordinal: int, rank: int, shared: bool) -> None:
+  def _create_rank(self, comm_id: int, ordinal: int, rank: int, shared: bool,
+                   remote: bool) -> None:
+    del remote  # the CPU exchange writes the rows for ranks on other hosts the same way
     native.load().host_create_rank(comm_id=comm_id, ordinal=ordinal, shared=shared,
                                    **self._rank_sizes(rank))
 

@@ -8,10 +8,11 @@ A local rank with near ranks publishes the name of its shared buffer in the jax.
 key-value store and maps theirs; once every near rank says it mapped its peers, the names are
 removed (nothing is left in /dev/shm if a process dies later). Each local rank of a group with
 remote ranks opens a TransferEngine (its rank = its index on the axis), registers its buffer
-and a staging copy per remote rank, and publishes its address card and buffer descriptor;
-then it reads the cards of the remote ranks and connects to them. Keys name the communicator
-by its comm id, a per-process counter: every process must build its host communicators in
-the same order.
+and a staging copy per remote rank, and publishes its address card and buffer descriptor (and,
+for a cuda proxy rank whose remote rows land in device memory, JAX_MOE_PROXY_HMEM, the
+descriptor of its device rows); then it reads the cards of the remote ranks and connects to
+them. Keys name the communicator by its comm id, a per-process counter: every process must
+build its host communicators in the same order.
 
 Provider and source address come from the environment: JAX_MOE_HOST_PROVIDER (default "shm";
 "tcp;ofi_rxm" on any network) and JAX_MOE_HOST_NODE (default none; "127.0.0.1" keeps tcp on
@@ -37,15 +38,18 @@ def available() -> bool:
   return module is not None and hasattr(module, "host_open_remote")
 
 
-def connect_host_ranks(states, groups, ordinal_of, create, owner: str,
-                       threads: int) -> list[list[int]]:
+def connect_host_ranks(states, groups, ordinal_of, create, owner: str, threads: int,
+                       device_rows=None) -> list[list[int]]:
   """Creates and connects the host rank states of this process's devices in `groups`; returns
   the near ranks of each group (in other processes of this host).
 
   groups[g] lists the devices of group g in rank order; ordinal_of(device) is the key of a
-  local device's state; create(comm_id, ordinal, rank, shared) makes one (`shared`: its buffer
-  in shared memory, for near ranks); each runs its row loops on `threads` threads. Created
-  ordinals are appended to states.ordinals, so states.close() frees them if a later step fails.
+  local device's state; create(comm_id, ordinal, rank, shared, remote) makes one (`shared`:
+  its buffer in shared memory, for near ranks; `remote`: its group has ranks on other hosts);
+  each runs its row loops on `threads` threads. device_rows(ordinal), when given, is the
+  device address of the rank's device rows (a cuda proxy rank's, FI_HMEM) where the remote
+  ranks' rows land, or 0. Created ordinals are appended to states.ordinals, so states.close()
+  frees them if a later step fails.
   """
   me = jax.process_index()
   host = hosts.host_of({d.process_index for d in groups.flat}, owner)
@@ -60,10 +64,10 @@ def connect_host_ranks(states, groups, ordinal_of, create, owner: str,
     raise ValueError(f"{owner}: the mesh spans hosts, which needs jax_moe._native built with "
                      f"libfabric (build_info: {native.build_info()}); use backend='xla'")
   module = native.load()
-  for ordinals, near_g in zip(local, near):
+  for ordinals, near_g, remote_g in zip(local, near, remote):
     for rank, ordinal in enumerate(ordinals):
       if ordinal >= 0:
-        create(states.comm_id, ordinal, rank, bool(near_g))
+        create(states.comm_id, ordinal, rank, bool(near_g), bool(remote_g))
         states.ordinals.append(ordinal)
         module.host_set_threads(states.comm_id, ordinal, threads)
   for index, (ordinals, near_g, remote_g) in enumerate(zip(local, near, remote)):
@@ -72,7 +76,7 @@ def connect_host_ranks(states, groups, ordinal_of, create, owner: str,
     if near_g:
       map_near(states.comm_id, index, ordinals, near_g, owner)
     if remote_g:
-      connect_remote(states.comm_id, index, ordinals, remote_g, owner)
+      connect_remote(states.comm_id, index, ordinals, remote_g, owner, device_rows)
     for ordinal in ordinals:
       if ordinal >= 0:
         module.host_connect_rank(states.comm_id, ordinal, ordinals)
@@ -105,10 +109,11 @@ def map_near(comm_id: int, group_index: int, local: list[int], near: list[int],
 
 
 def connect_remote(comm_id: int, group_index: int, local: list[int], remote: list[int],
-                   owner: str) -> None:
+                   owner: str, device_rows=None) -> None:
   """Connects the local ranks of one group to its remote ranks (on other hosts).
 
-  local[p] is the device ordinal of rank p when it is in this process, else -1.
+  local[p] is the device ordinal of rank p when it is in this process, else -1;
+  device_rows as connect_host_ranks takes it.
   """
   module = native.load()
   client = distributed_client(owner)
@@ -116,15 +121,19 @@ def connect_remote(comm_id: int, group_index: int, local: list[int], remote: lis
   for p, ordinal in enumerate(local):
     if ordinal < 0:
       continue
-    card, descriptor = module.host_open_remote(comm_id, ordinal, remote,
-                                               settings.host_provider(), settings.host_node(),
-                                               settings.host_domains(ordinal),
-                                               settings.host_shuffle_seed())
+    rows = device_rows(ordinal) if device_rows is not None else 0
+    card, descriptor, rows_descriptor = module.host_open_remote(
+        comm_id, ordinal, remote, settings.host_provider(), settings.host_node(),
+        settings.host_domains(ordinal), settings.host_shuffle_seed(), device_rows=rows,
+        cuda_device=ordinal if rows else -1)
     client.key_value_set(key("card", p), card.hex())
     client.key_value_set(key("buffer", p), descriptor.hex())
+    client.key_value_set(key("device_rows", p), rows_descriptor.hex())
+  read = lambda what, p: bytes.fromhex(  # noqa: E731
+      client.blocking_key_value_get(key(what, p), KV_TIMEOUT_MS))
   for p in remote:
-    card = bytes.fromhex(client.blocking_key_value_get(key("card", p), KV_TIMEOUT_MS))
-    descriptor = bytes.fromhex(client.blocking_key_value_get(key("buffer", p), KV_TIMEOUT_MS))
+    card, descriptor, rows_descriptor = (read(what, p) for what in ("card", "buffer",
+                                                                    "device_rows"))
     for ordinal in local:
       if ordinal >= 0:
-        module.host_connect_remote(comm_id, ordinal, p, card, descriptor)
+        module.host_connect_remote(comm_id, ordinal, p, card, descriptor, rows_descriptor)

@@ -154,6 +154,7 @@ HOST_JOBS = apart((
 # the TransferEngine (shm or tcp;ofi_rxm); the rows move in host memory mapped into the GPU.
 FORCE_REMOTE = (("JAX_MOE_FORCE_REMOTE", "1"),)
 NEAR_ROWS_DEVICE = (("JAX_MOE_PROXY_NEAR_ROWS", "device"),)
+HMEM = (("JAX_MOE_PROXY_HMEM", "on"),)  # shm grants FI_HMEM where libfabric has CUDA support
 PROXY_JOBS = apart((
     Job("ep2-1perGPU-forced-remote-shm-fp8-source-padding16", (0, 1),
         ("--dispatch", "fp8", "--reduce", "source", "--expert-padding", "16"),
@@ -202,6 +203,14 @@ PROXY_JOBS = apart((
     Job("ep2-1GPU-1host-nearrows-device-bf16-expert-split", (0, 0),
         ("--dispatch", "bf16", "--reduce", "expert", "--split"), timeout_s=120,
         env=FORCE_REMOTE + NEAR_ROWS_DEVICE, hosts=("a", "a")),
+    # The rows from other hosts written by the engines into each rank's device buffer
+    # (FI_HMEM), routes and flags through host memory: alone, and with near device rows.
+    Job("ep2-1GPU-forced-remote-shm-hmem-fp8-expert-bf16partials", (0, 0),
+        ("--dispatch", "fp8", "--reduce", "expert", "--partial-dtype", "bfloat16"),
+        timeout_s=120, env=SHM + FORCE_REMOTE + HMEM),
+    Job("ep4-1GPU-2hosts-shm-hmem-nearrows-device-bf16-source-split", (0, 0, 0, 0),
+        ("--dispatch", "bf16", "--reduce", "source", "--split"), timeout_s=150,
+        env=SHM + NEAR_ROWS_DEVICE + HMEM, hosts=TWO_HOSTS),
 ))
 
 
