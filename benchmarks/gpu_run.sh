@@ -33,6 +33,8 @@
 #            request costs the GPU between the proxy's answer and the next doorbell
 #   proxyrep   the proxy1 benchmark under MPS (stream waits): decode three times in a row (the raw
 #            transport's time moves between runs), then prefill 4096 once
+#   proxyhmem  the proxy1 benchmark under MPS at decode with JAX_MOE_PROXY_HMEM off, then on (the
+#            rows from the other process written into device memory by the engines, FI_HMEM)
 #   models_mp  tests/gpu/test_models_multiprocess.py: jax-moe generate with the cuda backend on 2
 #            processes sharing GPU 0 (CUDA IPC, forced through the host proxies, --tp 2) gives
 #            one process's tokens; tokens/s per path in the log (issues 15 and 19)
@@ -193,6 +195,11 @@ except Exception as err:
         proxy_bench "proxyrep-$run" 8 --phases decode=128 --mps
       done
       proxy_bench proxyrep-prefill 8 --phases prefill=4096 --mps ;;
+    proxyhmem)
+      for hmem in off on; do
+        JAX_MOE_PROXY_HMEM=$hmem proxy_bench "proxyhmem-$hmem" 40 --phases decode=128 \
+          --trace-iters 3 --mps
+      done ;;
     misuse)
       suite misuse_gpu 120 tests/test_misuse.py
       timeout -s KILL 120 python3 benchmarks/soak.py --backends cuda,xla --seconds 60 --iterations 1000000 \
