@@ -38,13 +38,8 @@ __device__ inline char* self_token(const ProxyRowsView& v, int t) {
   return v.self + self_layout(v.dims).tokens + size_t(t) * token_bytes(v.dims);
 }
 
-// Rank p's buffer where this rank writes its rows and combine terms for p: p's device buffer
-// when p is on this host and the rows stay in device memory, else p's host buffer (or this
-// rank's staging copy of it).
-__device__ inline char* rows_of(const ProxyRowsView& v, int p) {
-  char* device = v.near_rows != nullptr ? v.near_rows[p] : nullptr;
-  return device != nullptr ? device : v.peers[p];
-}
+// Where this rank writes its rows and combine terms for rank p (ProxyRowsView).
+__device__ inline char* rows_of(const ProxyRowsView& v, int p) { return v.rows_to[p]; }
 
 // This rank's buffer where the rows and combine terms of rank p land (ProxyRowsView).
 __device__ inline char* rows_from(const ProxyRowsView& v, int p) { return v.rows_from[p]; }

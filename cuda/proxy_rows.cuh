@@ -3,10 +3,12 @@
 // phase of the proxy thread, one of these kernels, and another CPU phase. The kernels read and
 // write the host memory the protocol's buffers live in, mapped into the device: this rank's
 // host buffer, the buffers of the other ranks of this host and the staging copies of the
-// remote ranks (one cudaHostRegister each, at setup). Optionally the rows between ranks of
-// one host stay in device memory (ProxyRowsView::near_rows: NVLink or the same GPU); routes
-// and flags stay in host memory, where the proxies' CPU phases read them. The kernels produce
-// the host backend's bits (docs/semantics.md).
+// remote ranks (one cudaHostRegister each, at setup). Optionally the rows stay in device
+// memory (ProxyRowsView::rows_to, rows_from): between ranks of one host (NVLink or the same
+// GPU), and to and from ranks on other hosts (device staging copies and the rank's device
+// buffer, which the TransferEngine reads and writes: FI_HMEM); routes and flags stay in host
+// memory, where the proxies' CPU phases read them. The kernels produce the host backend's
+// bits (docs/semantics.md).
 // Host-compilable: launchers and the structs they share with the proxy.
 #pragma once
 
@@ -69,14 +71,14 @@ struct ProxyRowsView {
   char* const* peers;        // device [R]: every rank's host buffer, or this rank's staging
                              // copy of it (remote ranks), as the device maps it
   char* buffer;              // this rank's host buffer, mapped
-  // Where the rows of the ranks of this host go when they stay in device memory (the
-  // rank state's PeerBuffers, JAX_MOE_PROXY_NEAR_ROWS=device): device [R] every rank's device
-  // buffer in the host layout as mapped here (null for ranks on other hosts, and for every
-  // rank without near device rows).
-  char* const* near_rows;
+  // Device [R]: where this rank writes its rows and combine terms for rank p: p's device
+  // buffer in the host layout as mapped here (near device rows, JAX_MOE_PROXY_NEAR_ROWS=device),
+  // this rank's device staging copy of it (a rank on another host, JAX_MOE_PROXY_HMEM), else
+  // `peers[p]`.
+  char* const* rows_to;
   // Device [R]: where the rows and combine terms of rank p land for this rank: its device
   // buffer in the host layout (near device rows, or a rank on another host whose writes
-  // land in device memory: JAX_MOE_PROXY_HMEM), else its host buffer.
+  // land in device memory), else its host buffer.
   char* const* rows_from;
   char* self;                // device [self_layout(dims).total]: rows for this rank itself
   ProxyControl* control;     // mapped: the kernels' words for the CPU

@@ -19,8 +19,9 @@ def per_rank_bytes(cfg: MoEConfig, axis_size: int, *, chunks: int = 132,
   - "host_buffer": the host backend's (and the cuda host proxies') buffer, plus one staging
     copy per rank on another host (`remote_ranks`; ranks of this host share buffers), of
     which only what this rank writes into that rank's buffer is memory
-    (ffi/host/staging_extents.h); a cuda proxy rank with JAX_MOE_PROXY_NEAR_ROWS=device holds
-    the buffer once more in device memory;
+    (ffi/host/staging_extents.h); a cuda proxy rank with JAX_MOE_PROXY_NEAR_ROWS=device or
+    JAX_MOE_PROXY_HMEM holds the buffer once more in device memory, and with the latter a
+    device staging copy per remote rank (host_device_staging_extents);
   - "dispatch_output": the arrays a dispatch returns (rows, scales, weights, counts, slot
     rows), allocated by XLA for each call in flight.
   """

@@ -139,12 +139,15 @@ CudaProxy::CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool st
                "cudaMemcpy(scratch)");
     check_cuda(cudaMalloc(reinterpret_cast<void**>(&peers_device_), sizeof(char*) * dims.world),
                "cudaMalloc(peers)");
+    check_cuda(cudaMalloc(reinterpret_cast<void**>(&rows_to_), sizeof(char*) * dims.world),
+               "cudaMalloc(rows_to)");
     check_cuda(cudaMalloc(reinterpret_cast<void**>(&rows_from_), sizeof(char*) * dims.world),
                "cudaMalloc(rows_from)");
     check_cuda(cudaMalloc(reinterpret_cast<void**>(&self_), self_layout(dims).total),
                "cudaMalloc(self rows)");
   } catch (...) {
     cudaFree(self_);
+    cudaFree(rows_to_);
     cudaFree(rows_from_);
     cudaFree(peers_device_);
     cudaFree(scratch_);
@@ -169,7 +172,9 @@ void CudaProxy::stop() {
 
 CudaProxy::~CudaProxy() {
   stop();
+  device_staging_.reset();
   cudaFree(self_);
+  cudaFree(rows_to_);
   cudaFree(rows_from_);
   cudaFree(peers_device_);
   cudaFree(scratch_);
@@ -182,6 +187,16 @@ void CudaProxy::register_host(void* memory, size_t bytes) {
   check_cuda(cudaHostRegister(memory, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable),
              "cudaHostRegister");
   registered_.push_back(memory);
+}
+
+const DeviceStaging& CudaProxy::stage_remote_rows(const std::vector<int>& remote_ranks) {
+  if (!device_rows_.remote || device_staging_ || thread_.joinable())
+    throw std::invalid_argument("jax_moe cuda proxy: device staging copies are made once, "
+                                "before the proxy starts, for ranks with remote device rows");
+  check_cuda(cudaSetDevice(ordinal_), "cudaSetDevice");
+  device_staging_ = std::make_unique<DeviceStaging>(dims_, ordinal_, int(remote_ranks.size()));
+  staged_ranks_ = remote_ranks;
+  return *device_staging_;
 }
 
 void CudaProxy::start(host::HostRankState* host_state, char* device_buffer,
@@ -217,16 +232,24 @@ void CudaProxy::start(host::HostRankState* host_state, char* device_buffer,
   check_cuda(cudaMemcpy(peers_device_, host_state->peers.data(), sizeof(char*) * dims_.world,
                         cudaMemcpyHostToDevice),
              "cudaMemcpy(peers)");
-  // Where each rank's rows land here: the device buffer for mapped near ranks and, with
-  // remote device rows, for ranks on other hosts (they write it through the TransferEngine,
-  // host_remote.py connects them to it); the host buffer for the rest.
-  std::vector<char*> from(dims_.world, host_state->buffer);
+  // Where the rows to and from each rank go (ProxyRowsView): the mapped device buffers of
+  // near ranks; with remote device rows, this rank's device staging copy of a rank on
+  // another host and its own device buffer (the TransferEngines move the rows between them,
+  // host_remote.py connects them); host memory for the rest.
+  std::vector<char*> to(host_state->peers), from(dims_.world, host_state->buffer);
   for (int p = 0; p < dims_.world; ++p) {
-    const bool near = !near_table.empty() && near_table[p] != nullptr;
-    const bool remote = device_rows_.remote && host_state->remote != nullptr &&
-                        host_state->remote->is_remote(p);
-    if (near || remote) from[p] = device_buffer;
+    if (!near_table.empty() && near_table[p] != nullptr) {
+      to[p] = near_table[p];
+      from[p] = device_buffer;
+    }
   }
+  for (size_t i = 0; i < staged_ranks_.size(); ++i) {
+    to[staged_ranks_[i]] = device_staging_->copy(int(i));
+    from[staged_ranks_[i]] = device_buffer;
+  }
+  check_cuda(cudaMemcpy(rows_to_, to.data(), sizeof(char*) * dims_.world,
+                        cudaMemcpyHostToDevice),
+             "cudaMemcpy(rows_to)");
   check_cuda(cudaMemcpy(rows_from_, from.data(), sizeof(char*) * dims_.world,
                         cudaMemcpyHostToDevice),
              "cudaMemcpy(rows_from)");
@@ -276,7 +299,7 @@ ProxyRowsView CudaProxy::rows_view(const CommView& v) const {
   r.dims = dims_;
   r.peers = peers_device_;
   r.buffer = buffer_device_;
-  r.near_rows = v.peers;  // PeerBuffers of the rank state: null without device rows
+  r.rows_to = rows_to_;
   r.rows_from = rows_from_;
   r.self = self_;
   r.control = device_area<ProxyControl>(areas_.control);

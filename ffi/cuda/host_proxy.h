@@ -24,6 +24,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -31,6 +32,7 @@
 #include "cuda/api.cuh"
 #include "cuda/comm_view.cuh"
 #include "cuda/proxy_rows.cuh"
+#include "ffi/cuda/device_staging.h"
 
 namespace jax_moe {
 
@@ -52,10 +54,11 @@ struct ProxySample {
 // the samples say which phase they timed without a second copy of the op codes.
 const char* proxy_op_name(uint32_t op);
 
-// Which rows other ranks send land in the rank's device buffer in the host layout (the rank
-// state's PeerBuffers::local) instead of its host buffer: those of the ranks of its host
-// (`near`, JAX_MOE_PROXY_NEAR_ROWS=device: they map it) and those of ranks on other hosts
-// (`remote`, JAX_MOE_PROXY_HMEM: the TransferEngine writes it, FI_HMEM).
+// Which rows stay in device memory: those between the ranks of this host (`near`,
+// JAX_MOE_PROXY_NEAR_ROWS=device: each rank's device buffer in the host layout, the rank
+// state's PeerBuffers::local, which the others map), and those to and from ranks on other
+// hosts (`remote`, JAX_MOE_PROXY_HMEM: the TransferEngine reads them from device staging
+// copies and writes them into that device buffer, FI_HMEM).
 struct DeviceRows {
   bool near = false;
   bool remote = false;
@@ -72,6 +75,10 @@ class CudaProxy {
   ~CudaProxy();  // stop(), then frees the proxy's memory
   CudaProxy(const CudaProxy&) = delete;
   CudaProxy& operator=(const CudaProxy&) = delete;
+
+  // With DeviceRows::remote: the device staging copies of `remote_ranks` (ascending), before
+  // the TransferEngine registers them (host_remote.py); once. Throws std::runtime_error.
+  const DeviceStaging& stage_remote_rows(const std::vector<int>& remote_ranks);
 
   // Maps the host memory of `host_state` (connected) into the device and starts serving the
   // requests with it. `device_buffer`: the rank's device buffer in the host layout (null
@@ -155,7 +162,10 @@ class CudaProxy {
   ProxyControl* control_copy_ = nullptr;     // device memory: *control_ after a first phase
   ProxyScratch* scratch_ = nullptr;          // device memory
   char** peers_device_ = nullptr;            // device [R]: the host state's peers, mapped
+  char** rows_to_ = nullptr;                 // device [R]: ProxyRowsView::rows_to
   char** rows_from_ = nullptr;               // device [R]: ProxyRowsView::rows_from
+  std::unique_ptr<DeviceStaging> device_staging_;  // copies of the remote ranks (stage_remote_rows)
+  std::vector<int> staged_ranks_;            // their ranks, in copy order
   char* self_ = nullptr;                     // device [self_layout]: the rank's rows to itself
   char* buffer_device_ = nullptr;            // the host state's buffer, mapped
   std::vector<void*> registered_;            // host memory this proxy registered

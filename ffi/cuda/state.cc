@@ -255,13 +255,23 @@ void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, 
   });
 }
 
-char* device_rows_buffer(int64_t comm_id, int ordinal) {
+RemoteDeviceRows stage_remote_device_rows(int64_t comm_id, int ordinal,
+                                          const std::vector<int>& remote_ranks) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   CudaRankState& s = lookup(comm_id, ordinal);
   if (!s.proxy || !s.proxy->device_rows().remote)
     throw std::invalid_argument("jax_moe cuda backend: " + key_text(comm_id, ordinal) +
-                                " is not a proxy rank whose remote rows land in device memory");
-  return s.peers.local;
+                                " is not a proxy rank whose remote rows stay in device memory");
+  for (size_t i = 0; i < remote_ranks.size(); ++i) {
+    if (remote_ranks[i] < 0 || remote_ranks[i] >= s.dims.world ||
+        remote_ranks[i] == s.dims.rank || (i > 0 && remote_ranks[i] <= remote_ranks[i - 1]))
+      throw std::invalid_argument("jax_moe cuda backend: remote ranks must be other ranks in "
+                                  "[0, " + std::to_string(s.dims.world) + "), ascending");
+  }
+  const DeviceStaging& staging = s.proxy->stage_remote_rows(remote_ranks);
+  RemoteDeviceRows out{s.peers.local, staging.granule(), {}};
+  for (size_t i = 0; i < remote_ranks.size(); ++i) out.staging.push_back(staging.copy(int(i)));
+  return out;
 }
 
 void start_rank_proxy(int64_t comm_id, int ordinal) {

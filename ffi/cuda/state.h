@@ -82,14 +82,23 @@ void create_all_reduce_state(int64_t comm_id, int ordinal, int rank, int world, 
                              double timeout_s);
 // The state of a rank whose exchanges go through its host proxy (ffi/cuda/host_proxy.h);
 // `stream_wait`: the stream waits for the proxy with stream memory operations;
-// `device_rows`: which ranks' rows land in a device buffer in the host layout (peers.local):
-// those of this host, which map it (connect_rank_state, before start_rank_proxy), and those
-// of other hosts, which write it through the TransferEngine (device_rows_buffer).
+// `device_rows`: which rows stay in device memory, in a device buffer in the host layout
+// (peers.local): those of this host's ranks, which map it (connect_rank_state, before
+// start_rank_proxy), and those to and from other hosts, which the TransferEngines move
+// (stage_remote_device_rows).
 void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, double timeout_s,
                              bool stream_wait, DeviceRows device_rows);
-// The device buffer in the host layout of a proxy rank with DeviceRows (its buffer_layout
-// total bytes), for the TransferEngine to register; throws without one.
-char* device_rows_buffer(int64_t comm_id, int ordinal);
+// What the TransferEngine of a proxy rank with DeviceRows::remote registers: the rank's
+// device buffer (buffer_layout bytes; the remote ranks write their rows there) and its device
+// staging copies of `remote_ranks` (made here, once; device_staging.h), whose extents are
+// device_staging_extents(dims, granule) from each copy.
+struct RemoteDeviceRows {
+  char* buffer;
+  size_t granule;
+  std::vector<char*> staging;
+};
+RemoteDeviceRows stage_remote_device_rows(int64_t comm_id, int ordinal,
+                                          const std::vector<int>& remote_ranks);
 // Starts the proxy of a rank made by create_proxy_rank_state, serving with the host rank
 // state of the same (comm id, ordinal), which must be connected; the rank is then connected.
 void start_rank_proxy(int64_t comm_id, int ordinal);

@@ -1,6 +1,7 @@
 // Python bindings of the host backend (declared in ffi/native_host.h); used by
 // jax_moe/backends/host.py.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -58,6 +59,20 @@ void bind_host(nb::module_& m) {
       nb::arg("dims"),
       "Bytes rank dims.rank commits for its staging copy of one remote rank's buffer "
       "(ffi/host/staging_extents.h: what it writes there, in whole pages).");
+  m.def(
+      "host_device_staging_extents",
+      [](const MoeDims& dims, size_t granule) {
+        check_dims(dims);
+        if (granule == 0) throw std::invalid_argument("granule must be positive");
+        std::vector<std::pair<size_t, size_t>> out;
+        for (const ByteRange& e : host::device_staging_extents(dims, granule))
+          out.emplace_back(e.offset, e.length);
+        return out;
+      },
+      nb::arg("dims"), nb::arg("granule"),
+      "[(offset, bytes)] a cuda proxy rank dims.rank maps in its device staging copy of one "
+      "remote rank's buffer, for allocation granules of `granule` bytes "
+      "(ffi/host/staging_extents.h, JAX_MOE_PROXY_HMEM).");
 }
 
 void add_host_targets(nb::dict& targets) {

@@ -31,8 +31,8 @@ constexpr auto kStuck = std::chrono::milliseconds(50);
 }  // namespace
 
 FabricPeers::FabricPeers(const transport::Config& config, const MoeDims& dims,
-                         const std::vector<int>& remote_ranks, char* buffer, char* device_rows,
-                         int cuda_device)
+                         const std::vector<int>& remote_ranks, char* buffer,
+                         const DeviceRowsMemory& device)
     : engine_(config),
       buffer_bytes_(buffer_layout(dims).total),
       rows_begin_(buffer_layout(dims).recv_tokens),
@@ -61,10 +61,22 @@ FabricPeers::FabricPeers(const transport::Config& config, const MoeDims& dims,
         std::to_string(engine_.facts().max_msg_size) + " bytes); lower max_tokens or hidden");
   }
   buffer_region_ = engine_.register_memory(buffer, buffer_bytes_);
-  if (device_rows != nullptr) {
-    if (cuda_device < 0)
-      throw transport::TransportError("host backend: device rows need their CUDA device");
-    device_rows_region_ = engine_.register_memory(device_rows, buffer_bytes_, cuda_device);
+  if (device.buffer != nullptr) {
+    if (device.cuda_device < 0 || device.granule == 0 ||
+        (!device.staging.empty() && device.staging.size() != remote_ranks.size()))
+      throw transport::TransportError(
+          "host backend: device rows need their CUDA device, granule and one staging copy per "
+          "remote rank");
+    device_rows_region_ =
+        engine_.register_memory(device.buffer, buffer_bytes_, device.cuda_device);
+    const std::vector<ByteRange> extents = device_staging_extents(dims, device.granule);
+    for (char* copy : device.staging) {
+      std::vector<Extent> regions;
+      for (const ByteRange& e : extents)
+        regions.push_back({e, engine_.register_memory(copy + e.offset, e.length,
+                                                      device.cuda_device)});
+      device_staging_regions_.push_back(std::move(regions));
+    }
   }
   // Each staging copy is address space for a whole buffer with only this rank's extents
   // committed and registered (staging_extents.h).
@@ -152,7 +164,9 @@ std::vector<std::pair<char*, uint64_t>> FabricPeers::staging_memory() const {
 }
 
 std::pair<int, uint64_t> FabricPeers::source_of(int peer, const Span& span) const {
-  for (const Extent& e : staging_regions_[staging_index_[peer]]) {
+  const bool device = !device_staging_regions_.empty() && span.offset >= rows_begin_;
+  const auto& copies = device ? device_staging_regions_ : staging_regions_;
+  for (const Extent& e : copies[staging_index_[peer]]) {
     if (span.offset >= e.range.offset &&
         span.offset + span.length <= e.range.offset + e.range.length)
       return {e.region, span.offset - e.range.offset};

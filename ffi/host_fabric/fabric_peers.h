@@ -2,10 +2,12 @@
 // the rank's index on the communicator axis, so an immediate's source names the sending rank.
 // Registered with the engine: the rank's own buffer (remote peers write into it) and the
 // extents of one staging copy per remote peer (the sources of this rank's writes,
-// ffi/host/staging_extents.h); for a cuda proxy rank whose remote rows land in device memory
-// (JAX_MOE_PROXY_HMEM), also its device buffer in the same layout (FI_HMEM): the remote ranks
-// write the rows part of the layout (recv_tokens and the combine region) there and the rest
-// (routes, through the host) into the host buffer. Exists only in builds with libfabric.
+// ffi/host/staging_extents.h); for a cuda proxy rank whose rows to and from other hosts stay
+// in device memory (JAX_MOE_PROXY_HMEM), also its device buffer in the same layout and its
+// device staging copies (FI_HMEM): the rows part of the layout (recv_tokens and the combine
+// region) goes from those copies to the peers' device buffers, the rest (routes, which the
+// CPU phases read and write) between the host copies and host buffers. Exists only in builds
+// with libfabric.
 #pragma once
 
 #include <cstdint>
@@ -22,15 +24,25 @@
 
 namespace jax_moe::host {
 
+// A cuda proxy rank's device memory for its rows (ffi/cuda/state.h, RemoteDeviceRows), on
+// CUDA device `cuda_device`: its device buffer (buffer_layout bytes), where the remote ranks
+// write their rows, and its device staging copies of them (in remote_ranks order, extents
+// device_staging_extents(dims, granule)), which its own rows leave from.
+struct DeviceRowsMemory {
+  char* buffer = nullptr;
+  std::vector<char*> staging;
+  size_t granule = 0;
+  int cuda_device = -1;
+};
+
 class FabricPeers : public RemotePeers {
  public:
   // Opens the engine of rank dims.rank and registers `buffer` (buffer_layout(dims).total
-  // bytes) and a staging copy for every rank in `remote_ranks`; with `device_rows` (a device
-  // buffer of the same size on CUDA device `cuda_device`; `config` must ask for cuda_memory)
-  // registers that too, for the rows the remote ranks send. Throws TransportError.
+  // bytes) and a staging copy for every rank in `remote_ranks`; with `device` memory (its
+  // buffer set; `config` must ask for cuda_memory) registers that too. Throws TransportError.
   FabricPeers(const transport::Config& config, const MoeDims& dims,
-              const std::vector<int>& remote_ranks, char* buffer, char* device_rows = nullptr,
-              int cuda_device = -1);
+              const std::vector<int>& remote_ranks, char* buffer,
+              const DeviceRowsMemory& device = {});
   ~FabricPeers() override;
 
   // What a remote peer needs: this engine's address card and the descriptors of the buffer
@@ -73,6 +85,9 @@ class FabricPeers : public RemotePeers {
   uint64_t staging_stride_ = 0;     // bytes between staging copies: the buffer in whole pages
   MappedPages staging_storage_;     // reserved [remote peers][staging_stride_] (page_memory.h)
   std::vector<std::vector<Extent>> staging_regions_;  // [copy][extent] (staging_extents.h)
+  // [copy][extent] of the device staging copies, where the rows part of a span is read;
+  // empty when the rows leave from the host copies.
+  std::vector<std::vector<Extent>> device_staging_regions_;
   std::vector<int> group_of_;  // [world] one-member group of a connected remote peer, else -1
   std::vector<int> rows_group_of_;  // [world] the same for the peer's device rows, else -1
   // Writes are posted through per-peer queues, in order: a write whose peer's transmit queue

@@ -12,9 +12,10 @@ through the TransferEngine (libfabric; JAX_MOE_HOST_PROVIDER and JAX_MOE_HOST_NO
 provider, backends/host_remote.py). So one communicator has both kinds of peers. The rows
 between ranks of one host go through their host buffers, or, with
 JAX_MOE_PROXY_NEAR_ROWS=device, through device buffers those ranks map (NVLink, or the same
-GPU; CUDA IPC between processes), while routes and flags stay in host memory. The rows from
-ranks on other hosts land in the host buffer, or, with JAX_MOE_PROXY_HMEM (settings.py), in
-the same device buffer, written by the TransferEngine (libfabric FI_HMEM).
+GPU; CUDA IPC between processes), while routes and flags stay in host memory. The rows to
+and from ranks on other hosts go through host staging copies and the host buffer, or, with
+JAX_MOE_PROXY_HMEM (settings.py), from device staging copies into the receiver's device
+buffer, moved by the TransferEngines (libfabric FI_HMEM).
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ class ProxyRanks(RankStates):
       # One thread: the proxy's CPU phases keep no row loops (the GPU moves the rows).
       near = host_remote.connect_host_ranks(
           self, groups, lambda d: d.local_hardware_id, create, owner, 1,
-          device_rows=lambda o: module.cuda_device_rows(self.comm_id, o) if o in remote_rows
-          else 0)
+          device_rows=lambda o, remote: module.cuda_device_rows(self.comm_id, o, remote)
+          if o in remote_rows else None)
       if near_rows_device:
         self._map_near_rows(groups, near, owner)
       for ordinal in self.ordinals:

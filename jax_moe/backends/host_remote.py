@@ -46,10 +46,11 @@ def connect_host_ranks(states, groups, ordinal_of, create, owner: str, threads: 
   groups[g] lists the devices of group g in rank order; ordinal_of(device) is the key of a
   local device's state; create(comm_id, ordinal, rank, shared, remote) makes one (`shared`:
   its buffer in shared memory, for near ranks; `remote`: its group has ranks on other hosts);
-  each runs its row loops on `threads` threads. device_rows(ordinal), when given, is the
-  device address of the rank's device rows (a cuda proxy rank's, FI_HMEM) where the remote
-  ranks' rows land, or 0. Created ordinals are appended to states.ordinals, so states.close()
-  frees them if a later step fails.
+  each runs its row loops on `threads` threads. device_rows(ordinal, remote_ranks), when
+  given, is a cuda proxy rank's device memory for the rows to and from its remote ranks
+  (JAX_MOE_PROXY_HMEM): (device buffer, granule, [device staging copy per remote rank]) as
+  the binding cuda_device_rows returns it, or None. Created ordinals are appended to
+  states.ordinals, so states.close() frees them if a later step fails.
   """
   me = jax.process_index()
   host = hosts.host_of({d.process_index for d in groups.flat}, owner)
@@ -121,11 +122,13 @@ def connect_remote(comm_id: int, group_index: int, local: list[int], remote: lis
   for p, ordinal in enumerate(local):
     if ordinal < 0:
       continue
-    rows = device_rows(ordinal) if device_rows is not None else 0
+    rows = device_rows(ordinal, remote) if device_rows is not None else None
+    buffer, granule, staging = rows if rows is not None else (0, 0, [])
     card, descriptor, rows_descriptor = module.host_open_remote(
         comm_id, ordinal, remote, settings.host_provider(), settings.host_node(),
-        settings.host_domains(ordinal), settings.host_shuffle_seed(), device_rows=rows,
-        cuda_device=ordinal if rows else -1)
+        settings.host_domains(ordinal), settings.host_shuffle_seed(), device_rows=buffer,
+        device_staging=staging, staging_granule=granule,
+        cuda_device=ordinal if rows is not None else -1)
     client.key_value_set(key("card", p), card.hex())
     client.key_value_set(key("buffer", p), descriptor.hex())
     client.key_value_set(key("device_rows", p), rows_descriptor.hex())
