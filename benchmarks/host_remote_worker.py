@@ -184,10 +184,13 @@ def _run(config: dict, process_id: int, folder: Path) -> list[dict]:
     record["status"] = "ok"
     return record
 
-  # The raw engine: rank = process index, one destination region sized for the largest phase.
+  # The raw engine: rank = process index, one destination region sized for the largest phase;
+  # in device memory when the cuda proxies move their rows there (JAX_MOE_PROXY_HMEM), so both
+  # move the same bytes between the same kinds of memory.
+  raw_on_device = config["platform"] == "cuda" and settings.proxy_rows_device_from_remote()
   engine = transport.TransferEngine(process_id, provider=settings.host_provider(),
                                     node=settings.host_node() or None,
-                                    domains=settings.host_domains())
+                                    domains=settings.host_domains(), cuda_memory=raw_on_device)
   peer_card = meeting.exchange("card", engine.address, process_id, peer)
   engine.add_peer(peer_card)
 
@@ -230,9 +233,9 @@ def _run(config: dict, process_id: int, folder: Path) -> list[dict]:
           comm.close()
 
         found["raw"] = _time_raw(engine, meeting, process_id, peer, directions, raw_timer, key,
-                                 raw_exchange)
+                                 raw_exchange, raw_on_device)
         for mode, record in found["raw"].items():
-          _log(process_id, key, f"raw {mode}", record)
+          _log(process_id, key, f"raw {mode} ({record['memory']} memory)", record)
 
         for other in config["others"]:  # fused only, for context
           comm = methods.make_communicator(ctx, other, reduce, config["partial_dtype"], 1)
@@ -277,16 +280,25 @@ def proxy_summary(samples_by_ordinal: dict) -> dict:
           for op, v in by_op.items()}
 
 
-def _time_raw(engine, meeting, process_id, peer, directions, per_iteration, key, raw_exchange):
-  """Both raw modes for one routing; checks that the one-write mode delivered the peer's
-  bytes (a broken engine would otherwise time nothing useful)."""
+def _time_raw(engine, meeting, process_id, peer, directions, per_iteration, key, raw_exchange,
+              on_device: bool):
+  """Both raw modes for one routing, between host buffers or (`on_device`) buffers on this
+  process's GPU; checks that the one-write mode delivered the peer's bytes (a broken engine
+  would otherwise time nothing useful)."""
+  import jax
   import numpy as np
 
   mine = next(d for d in directions if d.source == process_id and d.dest == peer)
   theirs = next(d for d in directions if d.source == peer and d.dest == process_id)
   size = raw_exchange.region_bytes(directions)
-  source = engine.register(raw_exchange.source_bytes(process_id, size))
-  dest = engine.register(np.zeros(size, np.uint8))
+  if on_device:
+    device = jax.local_devices()[0]
+    put = lambda a: jax.block_until_ready(jax.device_put(a, device))  # noqa: E731
+    source = engine.register_device(put(raw_exchange.source_bytes(process_id, size)))
+    dest = engine.register_device(put(np.zeros(size, np.uint8)))
+  else:
+    source = engine.register(raw_exchange.source_bytes(process_id, size))
+    dest = engine.register(np.zeros(size, np.uint8))
   try:
     descriptor = meeting.exchange(f"{key}_dest", dest.descriptor, process_id, peer)
     exchange = raw_exchange.RawExchange(engine, peer, descriptor, source, mine, theirs)
@@ -296,10 +308,11 @@ def _time_raw(engine, meeting, process_id, peer, directions, per_iteration, key,
       exchange.run(mode, 1)
       timing = per_iteration(lambda n, mode=mode: exchange.run(mode, n), f"{key}_raw_{mode}")
       records[mode] = {"status": "ok", "time": timing, "writes_per_exchange": exchange.writes(mode),
-                       "bytes_per_exchange": mine.bytes}
+                       "bytes_per_exchange": mine.bytes,
+                       "memory": "device" if on_device else "host"}
     # one_write ran last: its last combine write holds the peer's first combine bytes
     n = theirs.combine.bytes
-    if not np.array_equal(dest.array[:n], raw_exchange.source_bytes(peer, size)[:n]):
+    if not np.array_equal(np.asarray(dest.array)[:n], raw_exchange.source_bytes(peer, size)[:n]):
       raise RuntimeError(f"{key}: the raw exchange delivered other bytes than the peer's")
     meeting.barrier(f"{key}_raw_done")  # the peer wrote its last bytes into `dest`
   finally:

@@ -47,7 +47,7 @@ TransportError = native.load().TransportError if available() else RuntimeError
 class MemoryRegion(NamedTuple):
   """A registered array: `descriptor` is what peers need to write into it."""
   id: int
-  array: np.ndarray   # kept here so the memory outlives the registration
+  array: object       # numpy array or jax.Array, kept so the memory outlives the registration
   descriptor: bytes
 
 
@@ -104,6 +104,20 @@ class TransferEngine:
     if not array.flags.c_contiguous or not array.flags.writeable or array.nbytes == 0:
       raise ValueError("register: array must be C-contiguous, writeable and non-empty")
     region_id = self._engine.register_memory(array.ctypes.data, array.nbytes)
+    region = MemoryRegion(region_id, array, self._engine.region_descriptor(region_id))
+    self._regions[region_id] = region
+    return region
+
+  def register_device(self, array) -> MemoryRegion:
+    """Registers the buffer of a jax.Array on one CUDA device (FI_HMEM: an engine made with
+    cuda_memory=True) for local reads and remote writes. Remote writes change the buffer
+    behind JAX's back: only for arrays the caller owns and reads after the writes landed."""
+    devices = getattr(array, "devices", lambda: set())()
+    if len(devices) != 1 or next(iter(devices)).platform != "gpu" or array.nbytes == 0:
+      raise ValueError("register_device: array must be a non-empty jax.Array on one GPU")
+    (device,) = devices
+    region_id = self._engine.register_memory(array.unsafe_buffer_pointer(), array.nbytes,
+                                             device.local_hardware_id)
     region = MemoryRegion(region_id, array, self._engine.region_descriptor(region_id))
     self._regions[region_id] = region
     return region

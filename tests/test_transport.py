@@ -10,6 +10,7 @@ import os
 import signal
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -306,6 +307,9 @@ def test_scatter_arguments_are_checked():
             engine(rank=4096)
         with pytest.raises(ValueError, match="C-contiguous"):
             e.register(np.zeros((8, 8), np.uint8)[:, ::2])
+        for not_on_one_gpu in (np.zeros(8, np.uint8), jnp.zeros(8, jnp.uint8)):
+            with pytest.raises(ValueError, match="a non-empty jax.Array on one GPU"):
+                e.register_device(not_on_one_gpu)
         if not jm.build_info()["cuda"]:
             with pytest.raises(transport.TransportError, match="cuda_memory needs a build with CUDA"):
                 engine(cuda_memory=True)
