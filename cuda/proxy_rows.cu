@@ -38,8 +38,9 @@ __device__ inline char* self_token(const ProxyRowsView& v, int t) {
   return v.self + self_layout(v.dims).tokens + size_t(t) * token_bytes(v.dims);
 }
 
-// Where this rank writes its rows and combine terms for rank p (ProxyRowsView).
+// Where this rank writes its rows and its combine terms for rank p (ProxyRowsView).
 __device__ inline char* rows_of(const ProxyRowsView& v, int p) { return v.rows_to[p]; }
+__device__ inline char* terms_of(const ProxyRowsView& v, int p) { return v.terms_to[p]; }
 
 // This rank's buffer where the rows and combine terms of rank p land (ProxyRowsView).
 __device__ inline char* rows_from(const ProxyRowsView& v, int p) { return v.rows_from[p]; }
@@ -53,7 +54,7 @@ __device__ inline const char* received_token(const ProxyRowsView& v, const Buffe
 }
 
 // Where the combine term of this rank for source `src` lands: part[me][t] (expert mode,
-// `index` = t) or comb[t][k] (source mode, `index` = t * K + k) of rows_of(src), or of
+// `index` = t) or comb[t][k] (source mode, `index` = t * K + k) of terms_of(src), or of
 // `self` when src is this rank.
 __device__ inline char* combine_term(const ProxyRowsView& v, const BufferLayout& lay, int src,
                                      size_t index) {
@@ -62,7 +63,7 @@ __device__ inline char* combine_term(const ProxyRowsView& v, const BufferLayout&
                                            : size_t(d.hidden) * 2;
   if (src == d.rank) return v.self + self_layout(d).combine + index * row_bytes;
   const size_t region = d.reduce_expert ? partial_block(lay, d, d.rank) : lay.combine;
-  return rows_of(v, src) + region + index * row_bytes;
+  return terms_of(v, src) + region + index * row_bytes;
 }
 
 template <typename F>

@@ -4,11 +4,11 @@
 // write the host memory the protocol's buffers live in, mapped into the device: this rank's
 // host buffer, the buffers of the other ranks of this host and the staging copies of the
 // remote ranks (one cudaHostRegister each, at setup). Optionally the rows stay in device
-// memory (ProxyRowsView::rows_to, rows_from): between ranks of one host (NVLink or the same
-// GPU), and to and from ranks on other hosts (device staging copies and the rank's device
-// buffer, which the TransferEngine reads and writes: FI_HMEM); routes and flags stay in host
-// memory, where the proxies' CPU phases read them. The kernels produce the host backend's
-// bits (docs/semantics.md).
+// memory (ProxyRowsView::rows_to, terms_to, rows_from): between ranks of one host (NVLink or
+// the same GPU), and to and from ranks on other hosts (device staging copies and the rank's
+// device buffer, which the TransferEngine reads and writes: FI_HMEM); routes and flags stay in
+// host memory, where the proxies' CPU phases read them. The kernels produce the host
+// backend's bits (docs/semantics.md).
 // Host-compilable: launchers and the structs they share with the proxy.
 #pragma once
 
@@ -71,11 +71,13 @@ struct ProxyRowsView {
   char* const* peers;        // device [R]: every rank's host buffer, or this rank's staging
                              // copy of it (remote ranks), as the device maps it
   char* buffer;              // this rank's host buffer, mapped
-  // Device [R]: where this rank writes its rows and combine terms for rank p: p's device
-  // buffer in the host layout as mapped here (near device rows, JAX_MOE_PROXY_NEAR_ROWS=device),
-  // this rank's device staging copy of it (a rank on another host, JAX_MOE_PROXY_HMEM), else
-  // `peers[p]`.
+  // Device [R]: where this rank writes its rows (rows_to) and its combine terms (terms_to)
+  // for rank p, each addressed by buffer-layout offsets: p's device buffer in the host layout
+  // as mapped here (near device rows, JAX_MOE_PROXY_NEAR_ROWS=device), this rank's device
+  // staging copy of it (a rank on another host, JAX_MOE_PROXY_HMEM: one allocation for the
+  // rows and one for the terms, ffi/cuda/device_staging.h), else `peers[p]`.
   char* const* rows_to;
+  char* const* terms_to;
   // Device [R]: where the rows and combine terms of rank p land for this rank: its device
   // buffer in the host layout (near device rows, or a rank on another host whose writes
   // land in device memory), else its host buffer.

@@ -21,7 +21,7 @@ def per_rank_bytes(cfg: MoEConfig, axis_size: int, *, chunks: int = 132,
     which only what this rank writes into that rank's buffer is memory
     (ffi/host/staging_extents.h); a cuda proxy rank with JAX_MOE_PROXY_NEAR_ROWS=device or
     JAX_MOE_PROXY_HMEM holds the buffer once more in device memory, and with the latter a
-    device staging copy per remote rank (host_device_staging_extents);
+    device staging copy per remote rank (host_device_staging_ranges);
   - "dispatch_output": the arrays a dispatch returns (rows, scales, weights, counts, slot
     rows), allocated by XLA for each call in flight.
   """

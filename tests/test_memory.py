@@ -55,23 +55,20 @@ def test_a_small_staging_copy_is_the_pages_its_ranges_touch():
     assert written + route_block <= staging <= written + route_block + 3 * 2 * page
 
 
-def test_a_device_staging_copy_maps_the_rows_it_sends_in_whole_granules():
+def test_a_device_staging_copy_is_the_rows_and_terms_it_sends():
   """ffi/host/staging_extents.h (JAX_MOE_PROXY_HMEM): a cuda proxy rank's device staging copy
-  of a remote rank holds the rows and the partials it sends there (not its routes: they stay
-  in the host copy), in whole granules of device memory, merged where they touch."""
+  of a remote rank holds exactly its token rows and its combine terms for that rank, in the
+  buffer layout's order and after the route blocks (the routes stay in the host copy)."""
   module = native.load()
-  granule = 2 << 20
-  for R, T, rank in ((2, 4, 1), (4, 64, 2), (8, 1024, 7), (16, 4096, 0)):
-    cfg = jm.MoEConfig(256, 8, 7168, T, combine_reduce="expert",
-                       partial_dtype=jnp.bfloat16)
+  for R, T, rank, reduce in ((2, 4, 1, "expert"), (4, 64, 2, "source"), (8, 1024, 7, "expert"),
+                             (16, 4096, 0, "expert")):
+    cfg = jm.MoEConfig(256, 8, 7168, T, combine_reduce=reduce, partial_dtype=jnp.bfloat16)
     dims = moe_dims(cfg, R)
     dims.rank = rank
-    extents = module.host_device_staging_extents(dims, granule)
-    assert extents and all(o % granule == 0 and n % granule == 0 for o, n in extents)
-    assert all(a[0] + a[1] < b[0] for a, b in zip(extents, extents[1:]))  # ascending, apart
-    row_bytes = 7168 + 4 * 56
-    rows = (T * row_bytes, T * 7168 * 2)  # rows (fp8 codes + scales), bf16 partials
-    mapped = sum(n for _, n in extents)
-    assert sum(rows) <= mapped <= sum(rows) + 2 * 2 * granule
-  with pytest.raises(ValueError, match="granule must be positive"):
-    module.host_device_staging_extents(dims, 0)
+    (rows_at, rows), (terms_at, terms) = module.host_device_staging_ranges(dims)
+    token = 7168 + 4 * 56  # fp8 codes + f32 scales
+    assert rows == T * token
+    assert terms == (T * 7168 * 2 if reduce == "expert" else T * 8 * 7168 * 2)
+    routes_end = 4 * 8 * R + R * (-(-(16 + 8 * T * 8) // 256) * 256)  # flags, then routes
+    assert rows_at >= routes_end and rows_at + rows <= terms_at
+    assert terms_at + terms <= module.buffer_bytes(dims, 132)["host"]

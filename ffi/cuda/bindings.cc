@@ -49,14 +49,17 @@ void bind_cuda(nb::module_& m) {
       "cuda_device_rows",
       [](int64_t comm_id, int ordinal, const std::vector<int>& remote_ranks) {
         const RemoteDeviceRows rows = stage_remote_device_rows(comm_id, ordinal, remote_ranks);
-        std::vector<uintptr_t> staging;
-        for (char* copy : rows.staging) staging.push_back(reinterpret_cast<uintptr_t>(copy));
-        return nb::make_tuple(reinterpret_cast<uintptr_t>(rows.buffer), rows.granule, staging);
+        std::vector<std::vector<uintptr_t>> staging;
+        for (const std::vector<char*>& copy : rows.staging) {
+          staging.emplace_back();
+          for (char* range : copy) staging.back().push_back(reinterpret_cast<uintptr_t>(range));
+        }
+        return nb::make_tuple(reinterpret_cast<uintptr_t>(rows.buffer), staging);
       },
       nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("remote_ranks"),
-      "(device buffer, granule, [device staging copy per remote rank]) of a proxy rank made "
-      "with remote_rows_device, as device addresses: what host_open_remote registers with "
-      "FI_HMEM (the staging copies are made here, once).");
+      "(device buffer, [[memory of each device staging range] per remote rank]) of a proxy "
+      "rank made with remote_rows_device, as device addresses: what host_open_remote "
+      "registers with FI_HMEM (the staging copies are made here, once).");
   m.def(
       "cuda_stage_clocks",
       [](int64_t comm_id, int ordinal) -> nb::object {

@@ -1,17 +1,14 @@
 // A cuda proxy rank's device staging copies of its remote ranks' buffers (JAX_MOE_PROXY_HMEM):
 // the proxy kernels write the rows and combine terms for a rank on another host into its copy
-// (ProxyRowsView::rows_to), and the TransferEngine writes them from there into that rank's
-// device buffer (FI_HMEM), so no row crosses PCIe. Like the host staging copies
-// (ffi/host/staging_extents.h) each copy is address space for a whole buffer in the host
-// layout in which only what this rank sends is memory (device_staging_extents: CUDA virtual
-// memory management, in the device's allocation granules), so a copy costs about what the
-// rank sends, not a buffer.
+// (ProxyRowsView::rows_to, terms_to), and the TransferEngine writes them from there into that
+// rank's device buffer (FI_HMEM), so no row crosses PCIe. Like a host staging copy
+// (ffi/host/staging_extents.h) a copy holds only what this rank sends that rank: its token rows
+// and its combine terms (device_staging_ranges), one cudaMalloc each (memory the providers can
+// share between processes, as shm's CUDA IPC protocol needs for a write's source).
 #pragma once
 
-#include <cuda.h>
-
+#include <array>
 #include <cstddef>
-#include <cstdint>
 #include <vector>
 
 #include "ffi/protocol/dims.h"
@@ -20,31 +17,25 @@ namespace jax_moe {
 
 class DeviceStaging {
  public:
-  // Reserves `copies` buffers of the host layout of `dims` on device `ordinal` and maps the
-  // extents of each. Throws std::runtime_error.
-  DeviceStaging(const MoeDims& dims, int ordinal, int copies);
-  ~DeviceStaging();  // unmaps and frees everything
+  // Allocates `copies` copies for a rank of `dims` on the current device. Throws
+  // std::runtime_error.
+  DeviceStaging(const MoeDims& dims, int copies);
+  ~DeviceStaging();
   DeviceStaging(const DeviceStaging&) = delete;
   DeviceStaging& operator=(const DeviceStaging&) = delete;
 
-  // Copy `i`: address space of a whole buffer layout, its extents mapped.
-  char* copy(int i) const;
-  // The allocation granule the extents are rounded to (device_staging_extents).
-  size_t granule() const { return granule_; }
+  // Copy `i`'s memory of range `r` of device_staging_ranges: the bytes that sit at buffer
+  // offset device_staging_ranges(dims)[r].offset in the buffer layout.
+  char* range(int i, int r) const { return memory_[size_t(i) * kRanges + r]; }
+  // A pointer that addresses copy `i`'s range `r` by buffer-layout offsets: base + offset lands
+  // in the range for the offsets it holds (and nowhere valid outside them).
+  char* layout_base(int i, int r) const;
+
+  static constexpr int kRanges = 2;
 
  private:
-  void release();
-
-  size_t granule_ = 0;
-  size_t stride_ = 0;  // bytes between copies: the buffer in whole granules
-  size_t reserved_ = 0;
-  CUdeviceptr base_ = 0;
-  struct Mapped {
-    CUdeviceptr at;
-    size_t bytes;
-    CUmemGenericAllocationHandle handle;
-  };
-  std::vector<Mapped> mapped_;
+  std::array<size_t, kRanges> offsets_{};
+  std::vector<char*> memory_;  // [copy][range]
 };
 
 }  // namespace jax_moe

@@ -141,6 +141,8 @@ CudaProxy::CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool st
                "cudaMalloc(peers)");
     check_cuda(cudaMalloc(reinterpret_cast<void**>(&rows_to_), sizeof(char*) * dims.world),
                "cudaMalloc(rows_to)");
+    check_cuda(cudaMalloc(reinterpret_cast<void**>(&terms_to_), sizeof(char*) * dims.world),
+               "cudaMalloc(terms_to)");
     check_cuda(cudaMalloc(reinterpret_cast<void**>(&rows_from_), sizeof(char*) * dims.world),
                "cudaMalloc(rows_from)");
     check_cuda(cudaMalloc(reinterpret_cast<void**>(&self_), self_layout(dims).total),
@@ -148,6 +150,7 @@ CudaProxy::CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool st
   } catch (...) {
     cudaFree(self_);
     cudaFree(rows_to_);
+    cudaFree(terms_to_);
     cudaFree(rows_from_);
     cudaFree(peers_device_);
     cudaFree(scratch_);
@@ -175,6 +178,7 @@ CudaProxy::~CudaProxy() {
   device_staging_.reset();
   cudaFree(self_);
   cudaFree(rows_to_);
+  cudaFree(terms_to_);
   cudaFree(rows_from_);
   cudaFree(peers_device_);
   cudaFree(scratch_);
@@ -194,7 +198,7 @@ const DeviceStaging& CudaProxy::stage_remote_rows(const std::vector<int>& remote
     throw std::invalid_argument("jax_moe cuda proxy: device staging copies are made once, "
                                 "before the proxy starts, for ranks with remote device rows");
   check_cuda(cudaSetDevice(ordinal_), "cudaSetDevice");
-  device_staging_ = std::make_unique<DeviceStaging>(dims_, ordinal_, int(remote_ranks.size()));
+  device_staging_ = std::make_unique<DeviceStaging>(dims_, int(remote_ranks.size()));
   staged_ranks_ = remote_ranks;
   return *device_staging_;
 }
@@ -243,13 +247,19 @@ void CudaProxy::start(host::HostRankState* host_state, char* device_buffer,
       from[p] = device_buffer;
     }
   }
+  std::vector<char*> terms(to);
   for (size_t i = 0; i < staged_ranks_.size(); ++i) {
-    to[staged_ranks_[i]] = device_staging_->copy(int(i));
-    from[staged_ranks_[i]] = device_buffer;
+    const int p = staged_ranks_[i];
+    to[p] = device_staging_->layout_base(int(i), 0);
+    terms[p] = device_staging_->layout_base(int(i), 1);
+    from[p] = device_buffer;
   }
   check_cuda(cudaMemcpy(rows_to_, to.data(), sizeof(char*) * dims_.world,
                         cudaMemcpyHostToDevice),
              "cudaMemcpy(rows_to)");
+  check_cuda(cudaMemcpy(terms_to_, terms.data(), sizeof(char*) * dims_.world,
+                        cudaMemcpyHostToDevice),
+             "cudaMemcpy(terms_to)");
   check_cuda(cudaMemcpy(rows_from_, from.data(), sizeof(char*) * dims_.world,
                         cudaMemcpyHostToDevice),
              "cudaMemcpy(rows_from)");
@@ -300,6 +310,7 @@ ProxyRowsView CudaProxy::rows_view(const CommView& v) const {
   r.peers = peers_device_;
   r.buffer = buffer_device_;
   r.rows_to = rows_to_;
+  r.terms_to = terms_to_;
   r.rows_from = rows_from_;
   r.self = self_;
   r.control = device_area<ProxyControl>(areas_.control);

@@ -163,6 +163,7 @@ class CudaProxy {
   ProxyScratch* scratch_ = nullptr;          // device memory
   char** peers_device_ = nullptr;            // device [R]: the host state's peers, mapped
   char** rows_to_ = nullptr;                 // device [R]: ProxyRowsView::rows_to
+  char** terms_to_ = nullptr;                // device [R]: ProxyRowsView::terms_to
   char** rows_from_ = nullptr;               // device [R]: ProxyRowsView::rows_from
   std::unique_ptr<DeviceStaging> device_staging_;  // copies of the remote ranks (stage_remote_rows)
   std::vector<int> staged_ranks_;            // their ranks, in copy order

@@ -269,8 +269,12 @@ RemoteDeviceRows stage_remote_device_rows(int64_t comm_id, int ordinal,
                                   "[0, " + std::to_string(s.dims.world) + "), ascending");
   }
   const DeviceStaging& staging = s.proxy->stage_remote_rows(remote_ranks);
-  RemoteDeviceRows out{s.peers.local, staging.granule(), {}};
-  for (size_t i = 0; i < remote_ranks.size(); ++i) out.staging.push_back(staging.copy(int(i)));
+  RemoteDeviceRows out{s.peers.local, {}};
+  for (size_t i = 0; i < remote_ranks.size(); ++i) {
+    std::vector<char*> ranges;
+    for (int r = 0; r < DeviceStaging::kRanges; ++r) ranges.push_back(staging.range(int(i), r));
+    out.staging.push_back(ranges);
+  }
   return out;
 }
 

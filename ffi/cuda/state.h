@@ -90,12 +90,11 @@ void create_proxy_rank_state(int64_t comm_id, int ordinal, const MoeDims& dims, 
                              bool stream_wait, DeviceRows device_rows);
 // What the TransferEngine of a proxy rank with DeviceRows::remote registers: the rank's
 // device buffer (buffer_layout bytes; the remote ranks write their rows there) and its device
-// staging copies of `remote_ranks` (made here, once; device_staging.h), whose extents are
-// device_staging_extents(dims, granule) from each copy.
+// staging copies of `remote_ranks` (made here, once; device_staging.h): per copy, the memory
+// of each of device_staging_ranges(dims).
 struct RemoteDeviceRows {
   char* buffer;
-  size_t granule;
-  std::vector<char*> staging;
+  std::vector<std::vector<char*>> staging;
 };
 RemoteDeviceRows stage_remote_device_rows(int64_t comm_id, int ordinal,
                                           const std::vector<int>& remote_ranks);

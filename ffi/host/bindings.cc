@@ -60,19 +60,17 @@ void bind_host(nb::module_& m) {
       "Bytes rank dims.rank commits for its staging copy of one remote rank's buffer "
       "(ffi/host/staging_extents.h: what it writes there, in whole pages).");
   m.def(
-      "host_device_staging_extents",
-      [](const MoeDims& dims, size_t granule) {
+      "host_device_staging_ranges",
+      [](const MoeDims& dims) {
         check_dims(dims);
-        if (granule == 0) throw std::invalid_argument("granule must be positive");
         std::vector<std::pair<size_t, size_t>> out;
-        for (const ByteRange& e : host::device_staging_extents(dims, granule))
-          out.emplace_back(e.offset, e.length);
+        for (const ByteRange& r : host::device_staging_ranges(dims))
+          out.emplace_back(r.offset, r.length);
         return out;
       },
-      nb::arg("dims"), nb::arg("granule"),
-      "[(offset, bytes)] a cuda proxy rank dims.rank maps in its device staging copy of one "
-      "remote rank's buffer, for allocation granules of `granule` bytes "
-      "(ffi/host/staging_extents.h, JAX_MOE_PROXY_HMEM).");
+      nb::arg("dims"),
+      "[(buffer offset, bytes)] a cuda proxy rank dims.rank allocates for its device staging "
+      "copy of one remote rank's buffer (ffi/host/staging_extents.h, JAX_MOE_PROXY_HMEM).");
 }
 
 void add_host_targets(nb::dict& targets) {

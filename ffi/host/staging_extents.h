@@ -14,13 +14,13 @@
 
 namespace jax_moe::host {
 
-// `ranges` (ascending) widened to whole `unit`s, merged where they touch: buffer offsets.
-template <size_t N>
-std::vector<ByteRange> rounded_extents(const std::array<ByteRange, N>& ranges, size_t unit) {
+// The page extents (buffer offsets, ascending, merged where they touch) covering
+// sender_ranges(d, d.rank), for pages of `page` bytes.
+inline std::vector<ByteRange> staging_extents(const MoeDims& d, size_t page) {
   std::vector<ByteRange> out;
-  for (const ByteRange& r : ranges) {
-    const size_t begin = r.offset / unit * unit;
-    const size_t end = (r.offset + r.length + unit - 1) / unit * unit;
+  for (const ByteRange& r : sender_ranges(d, d.rank)) {
+    const size_t begin = r.offset / page * page;
+    const size_t end = (r.offset + r.length + page - 1) / page * page;
     if (!out.empty() && begin <= out.back().offset + out.back().length) {
       out.back().length = end - out.back().offset;
     } else {
@@ -30,17 +30,13 @@ std::vector<ByteRange> rounded_extents(const std::array<ByteRange, N>& ranges, s
   return out;
 }
 
-// The page extents covering sender_ranges(d, d.rank), for pages of `page` bytes.
-inline std::vector<ByteRange> staging_extents(const MoeDims& d, size_t page) {
-  return rounded_extents(sender_ranges(d, d.rank), page);
-}
-
-// The extents of a cuda proxy rank's device staging copy (ffi/cuda/device_staging.h): the
-// rows part of sender_ranges(d, d.rank) (token rows and combine terms; the routes stay in the
-// host copy, where the CPU phases write them), in whole `granule`s of device memory.
-inline std::vector<ByteRange> device_staging_extents(const MoeDims& d, size_t granule) {
+// What a cuda proxy rank's device staging copy of a remote rank holds
+// (ffi/cuda/device_staging.h): the rows part of sender_ranges(d, d.rank), its token rows and
+// its combine terms (the routes stay in the host copy, where the CPU phases write them), each
+// range one device allocation.
+inline std::array<ByteRange, 2> device_staging_ranges(const MoeDims& d) {
   const std::array<ByteRange, 3> r = sender_ranges(d, d.rank);
-  return rounded_extents(std::array<ByteRange, 2>{r[1], r[2]}, granule);
+  return {r[1], r[2]};
 }
 
 // Bytes one staging copy commits: the sum of its extents.

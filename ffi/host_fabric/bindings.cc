@@ -47,8 +47,7 @@ void bind_host_fabric(nb::module_& m) {
       [](int64_t comm_id, int ordinal, const std::vector<int>& remote_ranks,
          const std::string& provider, const std::string& node,
          const std::vector<std::string>& domains, uint64_t shuffle_seed, uintptr_t device_rows,
-         const std::vector<uintptr_t>& device_staging, size_t staging_granule,
-         int cuda_device) {
+         const std::vector<std::vector<uintptr_t>>& device_staging, int cuda_device) {
         host::HostRankState& s = rank_state(comm_id, ordinal);
         if (s.remote != nullptr || s.connected) {
           throw std::invalid_argument("jax_moe host backend: rank " +
@@ -65,9 +64,11 @@ void bind_host_fabric(nb::module_& m) {
         config.cuda_memory = device_rows != 0;
         host::DeviceRowsMemory device;
         device.buffer = reinterpret_cast<char*>(device_rows);
-        for (uintptr_t copy : device_staging)
-          device.staging.push_back(reinterpret_cast<char*>(copy));
-        device.granule = staging_granule;
+        for (const std::vector<uintptr_t>& copy : device_staging) {
+          device.staging.emplace_back();
+          for (uintptr_t range : copy)
+            device.staging.back().push_back(reinterpret_cast<char*>(range));
+        }
         device.cuda_device = cuda_device;
         auto peers = std::make_unique<host::FabricPeers>(config, s.dims, remote_ranks, s.buffer,
                                                          device);
@@ -79,13 +80,13 @@ void bind_host_fabric(nb::module_& m) {
       },
       nb::arg("comm_id"), nb::arg("ordinal"), nb::arg("remote_ranks"), nb::arg("provider"),
       nb::arg("node"), nb::arg("domains"), nb::arg("shuffle_seed"), nb::arg("device_rows") = 0,
-      nb::arg("device_staging") = std::vector<uintptr_t>{}, nb::arg("staging_granule") = 0,
+      nb::arg("device_staging") = std::vector<std::vector<uintptr_t>>{},
       nb::arg("cuda_device") = -1,
       "Opens the TransferEngine of a host rank whose communicator has ranks in other "
       "processes (`remote_ranks`); returns (address card, buffer descriptor, device rows "
-      "descriptor or b'') for them. `device_rows`, `device_staging`, `staging_granule`: a cuda "
-      "proxy rank's cuda_device_rows on device `cuda_device` (0 for none): the rows to and "
-      "from those ranks move between device memories (FI_HMEM).");
+      "descriptor or b'') for them. `device_rows`, `device_staging`: a cuda proxy rank's "
+      "cuda_device_rows on device `cuda_device` (0 for none): the rows to and from those "
+      "ranks move between device memories (FI_HMEM).");
   m.def(
       "host_connect_remote",
       [](int64_t comm_id, int ordinal, int peer, const nb::bytes& card,

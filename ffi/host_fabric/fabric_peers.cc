@@ -62,19 +62,21 @@ FabricPeers::FabricPeers(const transport::Config& config, const MoeDims& dims,
   }
   buffer_region_ = engine_.register_memory(buffer, buffer_bytes_);
   if (device.buffer != nullptr) {
-    if (device.cuda_device < 0 || device.granule == 0 ||
-        (!device.staging.empty() && device.staging.size() != remote_ranks.size()))
+    const std::array<ByteRange, 2> ranges = device_staging_ranges(dims);
+    bool fits = device.cuda_device >= 0 &&
+                (device.staging.empty() || device.staging.size() == remote_ranks.size());
+    for (const std::vector<char*>& copy : device.staging) fits &= copy.size() == ranges.size();
+    if (!fits)
       throw transport::TransportError(
-          "host backend: device rows need their CUDA device, granule and one staging copy per "
-          "remote rank");
+          "host backend: device rows need their CUDA device and, per remote rank, one device "
+          "staging allocation for each of device_staging_ranges");
     device_rows_region_ =
         engine_.register_memory(device.buffer, buffer_bytes_, device.cuda_device);
-    const std::vector<ByteRange> extents = device_staging_extents(dims, device.granule);
-    for (char* copy : device.staging) {
+    for (const std::vector<char*>& copy : device.staging) {
       std::vector<Extent> regions;
-      for (const ByteRange& e : extents)
-        regions.push_back({e, engine_.register_memory(copy + e.offset, e.length,
-                                                      device.cuda_device)});
+      for (size_t r = 0; r < ranges.size(); ++r)
+        regions.push_back({ranges[r], engine_.register_memory(copy[r], ranges[r].length,
+                                                              device.cuda_device)});
       device_staging_regions_.push_back(std::move(regions));
     }
   }

@@ -26,12 +26,11 @@ namespace jax_moe::host {
 
 // A cuda proxy rank's device memory for its rows (ffi/cuda/state.h, RemoteDeviceRows), on
 // CUDA device `cuda_device`: its device buffer (buffer_layout bytes), where the remote ranks
-// write their rows, and its device staging copies of them (in remote_ranks order, extents
-// device_staging_extents(dims, granule)), which its own rows leave from.
+// write their rows, and its device staging copies of them (in remote_ranks order; each the
+// memory of every range of device_staging_ranges), which its own rows leave from.
 struct DeviceRowsMemory {
   char* buffer = nullptr;
-  std::vector<char*> staging;
-  size_t granule = 0;
+  std::vector<std::vector<char*>> staging;
   int cuda_device = -1;
 };
 
@@ -85,8 +84,8 @@ class FabricPeers : public RemotePeers {
   uint64_t staging_stride_ = 0;     // bytes between staging copies: the buffer in whole pages
   MappedPages staging_storage_;     // reserved [remote peers][staging_stride_] (page_memory.h)
   std::vector<std::vector<Extent>> staging_regions_;  // [copy][extent] (staging_extents.h)
-  // [copy][extent] of the device staging copies, where the rows part of a span is read;
-  // empty when the rows leave from the host copies.
+  // [copy][range] of the device staging copies (device_staging_ranges), where the rows part
+  // of a span is read; empty when the rows leave from the host copies.
   std::vector<std::vector<Extent>> device_staging_regions_;
   std::vector<int> group_of_;  // [world] one-member group of a connected remote peer, else -1
   std::vector<int> rows_group_of_;  // [world] the same for the peer's device rows, else -1

@@ -48,8 +48,8 @@ def connect_host_ranks(states, groups, ordinal_of, create, owner: str, threads: 
   its buffer in shared memory, for near ranks; `remote`: its group has ranks on other hosts);
   each runs its row loops on `threads` threads. device_rows(ordinal, remote_ranks), when
   given, is a cuda proxy rank's device memory for the rows to and from its remote ranks
-  (JAX_MOE_PROXY_HMEM): (device buffer, granule, [device staging copy per remote rank]) as
-  the binding cuda_device_rows returns it, or None. Created ordinals are appended to
+  (JAX_MOE_PROXY_HMEM): (device buffer, device staging copies) as the binding
+  cuda_device_rows returns it, or None. Created ordinals are appended to
   states.ordinals, so states.close() frees them if a later step fails.
   """
   me = jax.process_index()
@@ -123,12 +123,11 @@ def connect_remote(comm_id: int, group_index: int, local: list[int], remote: lis
     if ordinal < 0:
       continue
     rows = device_rows(ordinal, remote) if device_rows is not None else None
-    buffer, granule, staging = rows if rows is not None else (0, 0, [])
+    buffer, staging = rows if rows is not None else (0, [])
     card, descriptor, rows_descriptor = module.host_open_remote(
         comm_id, ordinal, remote, settings.host_provider(), settings.host_node(),
         settings.host_domains(ordinal), settings.host_shuffle_seed(), device_rows=buffer,
-        device_staging=staging, staging_granule=granule,
-        cuda_device=ordinal if rows is not None else -1)
+        device_staging=staging, cuda_device=ordinal if rows is not None else -1)
     client.key_value_set(key("card", p), card.hex())
     client.key_value_set(key("buffer", p), descriptor.hex())
     client.key_value_set(key("device_rows", p), rows_descriptor.hex())
