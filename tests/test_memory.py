@@ -72,3 +72,22 @@ def test_a_device_staging_copy_is_the_rows_and_terms_it_sends():
     routes_end = 4 * 8 * R + R * (-(-(16 + 8 * T * 8) // 256) * 256)  # flags, then routes
     assert rows_at >= routes_end and rows_at + rows <= terms_at
     assert terms_at + terms <= module.buffer_bytes(dims, 132)["host"]
+
+
+def test_proxy_device_rows_are_the_buffer_and_what_a_rank_sends_each_remote_rank():
+  R, T = 8, 128
+  cfg = jm.MoEConfig(256, 8, 7168, T, combine_reduce="expert", partial_dtype=jnp.bfloat16)
+  off = memory.per_rank_bytes(cfg, R, remote_ranks=4)
+  near = memory.per_rank_bytes(cfg, R, remote_ranks=4, proxy_device_rows="near")
+  hmem = memory.per_rank_bytes(cfg, R, remote_ranks=4, proxy_device_rows="hmem")
+  assert off["proxy_device_rows"] == 0
+  buffer = native.load().buffer_bytes(moe_dims(cfg, R), 132)["host"]
+  assert near["proxy_device_rows"] == buffer
+  sent = T * (7168 + 4 * 56) + T * 7168 * 2  # token rows (fp8 codes + scales), bf16 partials
+  assert hmem["proxy_device_rows"] == buffer + 4 * sent
+  # The host staging copies keep only the route blocks, whole pages (16 + 8 * T * K bytes).
+  page = os.sysconf("SC_PAGE_SIZE")
+  routes = -(-(16 + 8 * T * 8) // page) * page
+  assert hmem["host_buffer"] == buffer + 4 * routes < off["host_buffer"]
+  with pytest.raises(ValueError, match="proxy_device_rows must be 'off', 'near' or 'hmem'"):
+    memory.per_rank_bytes(cfg, R, proxy_device_rows="device")

@@ -52,13 +52,14 @@ void bind_host(nb::module_& m) {
         "Frees the rank's buffer.");
   m.def(
       "host_staging_bytes",
-      [](const MoeDims& dims) {
+      [](const MoeDims& dims, bool rows_on_device) {
         check_dims(dims);
-        return host::staging_bytes(dims, host::page_size());
+        return host::staging_bytes(dims, host::page_size(), rows_on_device);
       },
-      nb::arg("dims"),
+      nb::arg("dims"), nb::arg("rows_on_device") = false,
       "Bytes rank dims.rank commits for its staging copy of one remote rank's buffer "
-      "(ffi/host/staging_extents.h: what it writes there, in whole pages).");
+      "(ffi/host/staging_extents.h: what it writes there, in whole pages; only its routes "
+      "when its rows leave from device staging, JAX_MOE_PROXY_HMEM).");
   m.def(
       "host_device_staging_ranges",
       [](const MoeDims& dims) {

@@ -15,10 +15,15 @@
 namespace jax_moe::host {
 
 // The page extents (buffer offsets, ascending, merged where they touch) covering
-// sender_ranges(d, d.rank), for pages of `page` bytes.
-inline std::vector<ByteRange> staging_extents(const MoeDims& d, size_t page) {
+// sender_ranges(d, d.rank), for pages of `page` bytes; only its route block when the rows and
+// combine terms leave from a device staging copy instead (`rows_on_device`,
+// device_staging_ranges).
+inline std::vector<ByteRange> staging_extents(const MoeDims& d, size_t page,
+                                              bool rows_on_device = false) {
+  const std::array<ByteRange, 3> ranges = sender_ranges(d, d.rank);
   std::vector<ByteRange> out;
-  for (const ByteRange& r : sender_ranges(d, d.rank)) {
+  for (size_t i = 0; i < (rows_on_device ? 1 : ranges.size()); ++i) {
+    const ByteRange& r = ranges[i];
     const size_t begin = r.offset / page * page;
     const size_t end = (r.offset + r.length + page - 1) / page * page;
     if (!out.empty() && begin <= out.back().offset + out.back().length) {
@@ -40,9 +45,9 @@ inline std::array<ByteRange, 2> device_staging_ranges(const MoeDims& d) {
 }
 
 // Bytes one staging copy commits: the sum of its extents.
-inline size_t staging_bytes(const MoeDims& d, size_t page) {
+inline size_t staging_bytes(const MoeDims& d, size_t page, bool rows_on_device = false) {
   size_t total = 0;
-  for (const ByteRange& e : staging_extents(d, page)) total += e.length;
+  for (const ByteRange& e : staging_extents(d, page, rows_on_device)) total += e.length;
   return total;
 }
 

@@ -84,7 +84,9 @@ FabricPeers::FabricPeers(const transport::Config& config, const MoeDims& dims,
   // committed and registered (staging_extents.h).
   staging_stride_ = page_rounded(buffer_bytes_);
   staging_storage_ = MappedPages::reserve(staging_stride_ * remote_ranks.size());
-  const std::vector<ByteRange> extents = staging_extents(dims, page_size());
+  // Rows that leave from device staging copies need no host pages.
+  const std::vector<ByteRange> extents =
+      staging_extents(dims, page_size(), !device_staging_regions_.empty());
   for (size_t copy = 0; copy < remote_ranks.size(); ++copy) {
     std::vector<Extent> regions;
     for (const ByteRange& e : extents) {
