@@ -55,7 +55,7 @@ class ProxyRanks(RankStates):
 
     near_rows_device = settings.proxy_near_rows() == "device"
     hmem = settings.proxy_rows_device_from_remote()
-    remote_rows = set()  # ordinals whose rows from other hosts land in device memory
+    remote_rows = set()  # ordinals whose rows to and from other hosts stay in device memory
 
     def create(comm_id: int, ordinal: int, rank: int, shared: bool, remote: bool) -> None:
       module.cuda_create_rank(comm_id=comm_id, ordinal=ordinal, proxy=True,
