@@ -75,6 +75,13 @@ void check_cuda(cudaError_t status, const char* what) {
     if (status_ != cudaSuccess) return status_; \
   } while (0)
 
+// Copies a host table of `world` device addresses to its device array `device`.
+void upload_table(char** device, const std::vector<char*>& host, const char* what) {
+  check_cuda(cudaMemcpy(device, host.data(), sizeof(char*) * host.size(),
+                        cudaMemcpyHostToDevice),
+             what);
+}
+
 // The driver's cuStreamWaitValue32 (CUDA 12 ABI). Throws std::runtime_error.
 decltype(&cuStreamWaitValue32) stream_wait_entry() {
   void* fn = driver_entry_point("cuStreamWaitValue32", 12000);
@@ -233,9 +240,7 @@ void CudaProxy::start(host::HostRankState* host_state, char* device_buffer,
       register_host(memory, bytes);
   }
   buffer_device_ = host_state->buffer;
-  check_cuda(cudaMemcpy(peers_device_, host_state->peers.data(), sizeof(char*) * dims_.world,
-                        cudaMemcpyHostToDevice),
-             "cudaMemcpy(peers)");
+  upload_table(peers_device_, host_state->peers, "cudaMemcpy(peers)");
   // Where the rows to and from each rank go (ProxyRowsView): the mapped device buffers of
   // near ranks; with remote device rows, this rank's device staging copy of a rank on
   // another host and its own device buffer (the TransferEngines move the rows between them,
@@ -254,15 +259,9 @@ void CudaProxy::start(host::HostRankState* host_state, char* device_buffer,
     terms[p] = device_staging_->layout_base(int(i), 1);
     from[p] = device_buffer;
   }
-  check_cuda(cudaMemcpy(rows_to_, to.data(), sizeof(char*) * dims_.world,
-                        cudaMemcpyHostToDevice),
-             "cudaMemcpy(rows_to)");
-  check_cuda(cudaMemcpy(terms_to_, terms.data(), sizeof(char*) * dims_.world,
-                        cudaMemcpyHostToDevice),
-             "cudaMemcpy(terms_to)");
-  check_cuda(cudaMemcpy(rows_from_, from.data(), sizeof(char*) * dims_.world,
-                        cudaMemcpyHostToDevice),
-             "cudaMemcpy(rows_from)");
+  upload_table(rows_to_, to, "cudaMemcpy(rows_to)");
+  upload_table(terms_to_, terms, "cudaMemcpy(terms_to)");
+  upload_table(rows_from_, from, "cudaMemcpy(rows_from)");
   if (device_rows_.remote) {
     int options = 0;
     check_cuda(cudaDeviceGetAttribute(&options, cudaDevAttrGPUDirectRDMAFlushWritesOptions,
@@ -415,10 +414,9 @@ void CudaProxy::serve(uint32_t op) {
   }
   // Rows written into the device buffer by a NIC (GPUDirect RDMA) are visible to the next
   // kernel only after a flush where the device asks for one; the receive half's kernel reads
-  // them after this answer. (A failure breaks the rank: run() records it.)
-  const bool received = op == kOpDispatchRecv || op == kOpDispatchJoint ||
-                        op == kOpCombineRecv || op == kOpCombineJoint;
-  if (received && phase_ok_ && flush_remote_writes_)
+  // them after this answer: when a receive half's first phase succeeded, which owes its
+  // acknowledgement now. (A failure breaks the rank: run() records it.)
+  if (pending_ack_ != Ack::kNone && flush_remote_writes_)
     check_cuda(cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
                                                   cudaFlushGPUDirectRDMAWritesToOwner),
                "cudaDeviceFlushGPUDirectRDMAWrites");
