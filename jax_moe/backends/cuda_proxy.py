@@ -20,6 +20,8 @@ buffer, moved by the TransferEngines (libfabric FI_HMEM).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from jax_moe import settings
@@ -55,15 +57,12 @@ class ProxyRanks(RankStates):
 
     near_rows_device = settings.proxy_near_rows() == "device"
     hmem = settings.proxy_rows_device_from_remote()
-    remote_rows = set()  # ordinals whose rows to and from other hosts stay in device memory
 
     def create(comm_id: int, ordinal: int, rank: int, shared: bool, remote: bool) -> None:
       module.cuda_create_rank(comm_id=comm_id, ordinal=ordinal, proxy=True,
                               stream_wait=settings.proxy_wait() == "stream",
                               near_rows_device=near_rows_device,
                               remote_rows_device=hmem and remote, **sizes(rank))
-      if hmem and remote:
-        remote_rows.add(ordinal)
       try:
         module.host_create_rank(comm_id=comm_id, ordinal=ordinal, shared=shared, **sizes(rank))
       except BaseException:
@@ -71,11 +70,12 @@ class ProxyRanks(RankStates):
         raise
 
     try:
-      # One thread: the proxy's CPU phases keep no row loops (the GPU moves the rows).
-      near = host_remote.connect_host_ranks(
-          self, groups, lambda d: d.local_hardware_id, create, owner, 1,
-          device_rows=lambda o, remote: module.cuda_device_rows(self.comm_id, o, remote)
-          if o in remote_rows else None)
+      # One thread: the proxy's CPU phases keep no row loops (the GPU moves the rows). Device
+      # rows are asked for only in groups with remote ranks, whose ranks create() made with
+      # remote_rows_device.
+      device_rows = functools.partial(module.cuda_device_rows, self.comm_id) if hmem else None
+      near = host_remote.connect_host_ranks(self, groups, lambda d: d.local_hardware_id, create,
+                                            owner, 1, device_rows=device_rows)
       if near_rows_device:
         self._map_near_rows(groups, near, owner)
       for ordinal in self.ordinals:
