@@ -381,17 +381,18 @@ def weighted_sum_method(ctx: Context) -> Method:
   kernels measured in the same run."""
   s = ctx.shape
   x = ctx.inputs.x.astype(np.float64).reshape(s.ranks, s.tokens, s.hidden)
-  w = ctx.inputs.topk_weights.astype(np.float64).reshape(s.ranks, s.tokens, s.topk)
-  sums = w.sum(axis=2, keepdims=True)
+  ids = ctx.inputs.topk_ids
+  w = np.where((ids >= 0) & (ids < s.experts), ctx.inputs.topk_weights, 0.0)
+  sums = w.astype(np.float64).reshape(s.ranks, s.tokens, s.topk).sum(axis=2, keepdims=True)
   want = _on_devices(ctx.mesh, (sums * x).reshape(-1, s.hidden).astype(np.float32))
   bound = _on_devices(ctx.mesh, (np.abs(sums) * np.abs(x)).reshape(-1, s.hidden)
                       .astype(np.float32))
 
-  def weighted_sum(y, row_of_slot, topk_weights):
-    acc = jnp.zeros((s.tokens, s.hidden), jnp.float32)
-    for k in range(s.topk):
-      acc = acc + topk_weights[:, k, None] * y[row_of_slot[:, k]].astype(jnp.float32)
-    return acc.astype(jnp.bfloat16)
+  def weighted_sum(y, row_of_slot, topk_ids, topk_weights):
+    # The peers' sum over slots; its gather of y picks rows by the slots' validity, which
+    # depends on each step's ids (timing.consume_output), so it stays inside the loop.
+    return peers._weighted_sum_by_slot(s, y, row_of_slot, peers._valid(s, topk_ids),
+                                       topk_weights)
 
   def init(x, ids, w):
     token_of_row, row_of_slot = _slots_by_expert(ids, s.topk)
@@ -399,15 +400,11 @@ def weighted_sum_method(ctx: Context) -> Method:
 
   def body(state):
     x, ids, w, y, row_of_slot = state
-    out = weighted_sum(y, row_of_slot, w)
-    # The slots' rows depend on this step's output too (as ids do), so the gather of y by
-    # row_of_slot stays inside the loop instead of being hoisted out of it.
-    zero = (out[0, 0] * jnp.zeros((), out.dtype)).astype(jnp.int32)
-    return (*consume_output(x, ids, w, out), y, row_of_slot + zero)
+    return (*consume_output(x, ids, w, weighted_sum(y, row_of_slot, ids, w)), y, row_of_slot)
 
   return Method(label="weighted_sum [T,K,H] bf16", family="probe", name="weighted_sum",
                 op="weighted_sum", dispatch_dtype=None, combine_reduce="expert", init=init,
-                body=body, final=lambda st: weighted_sum(st[3], st[4], st[2]),
+                body=body, final=lambda st: weighted_sum(st[3], st[4], st[1], st[2]),
                 check=lambda out, n: reference.check_close(out, want, bound, 1),
                 bytes_per_rank=0.0, bytes_model="local: T*K rows read, T rows written")
 
