@@ -45,13 +45,7 @@ echo "variants: ${names[*]}"
 # shellcheck source=benchmarks/gpu_build.sh
 . "$(dirname "$0")/gpu_build.sh"
 find_libfabric
-backend_path=""
-wheel=$(compgen -G ".whl/scikit_build_core-*.whl" | head -1)
-if [ -n "$wheel" ]; then  # the build backend the GPU machines lack (as gpu_build.sh)
-  backend_path=$work/build_backend
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$backend_path" \
-    "$wheel" > "$logs/build_backend.log" 2>&1 || { echo "build backend: failed"; exit 1; }
-fi
+build_backend "$logs/build_backend.log" || { echo "build backend: failed"; exit 1; }
 if python3 -m pip show jax_moe > /dev/null 2>&1; then
   python3 -m pip uninstall -y jax_moe > "$logs/uninstall.log" 2>&1
   echo "uninstalled the installed jax_moe (an editable install would shadow the variants)"
