@@ -16,6 +16,9 @@
 # The install folders must be what `import jax_moe` finds, and an editable install (what
 # gpu_run.sh and gpu_build.sh leave on a warm machine) would win over them: it is uninstalled
 # first (gpu_build.sh installs it again when one of the gpu_*.sh scripts runs).
+# tests/gpu/test_multiprocess.py does not run from a variant's folder (session 19: its jobs
+# failed in every variant, base included); check a variant's protocol with gpu_run.sh mp1 on
+# a tree with the patch applied.
 set -u -o pipefail
 if [ $# -ne 2 ] || ! [[ $1 =~ ^[1-9][0-9]*$ ]]; then
   echo "usage: AB_PATCHES=DIR $0 ROUNDS 'COMMAND'" >&2

@@ -187,7 +187,8 @@ def _run(config: dict, process_id: int, folder: Path) -> list[dict]:
   # The raw engine: rank = process index, one destination region sized for the largest phase;
   # in device memory when the cuda proxies move their rows there (JAX_MOE_PROXY_HMEM), so both
   # move the same bytes between the same kinds of memory.
-  raw_on_device = config["platform"] == "cuda" and settings.proxy_rows_device_from_remote()
+  raw_on_device = config["platform"] == "cuda" and settings.proxy_rows_device_from_remote(
+      transport.registers_cuda_memory)
   engine = transport.TransferEngine(process_id, provider=settings.host_provider(),
                                     node=settings.host_node() or None,
                                     domains=settings.host_domains(), cuda_memory=raw_on_device)

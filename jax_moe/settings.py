@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 
 # Kernels wait in nanoseconds held in 64 bits; a day keeps every conversion far from overflow.
 MAX_TIMEOUT_S = 86_400.0
@@ -68,7 +69,7 @@ def proxy_near_rows() -> str:
 
 PROXY_HMEM_CHOICES = ("off", "on", "auto")
 # Providers that register device memory for RDMA (GPUDirect); JAX_MOE_PROXY_HMEM=auto uses it
-# with these.
+# with these where this libfabric can (it needs a build with CUDA).
 HMEM_PROVIDERS = ("efa", "verbs")
 
 
@@ -77,19 +78,24 @@ def proxy_hmem() -> str:
   of ranks on other hosts straight into device memory (libfabric FI_HMEM: the TransferEngine
   writes into a device buffer in the host layout; routes and flags stay in host memory): "off"
   (default, until this path has run on a GPU cluster: rows land in the host buffer), "on"
-  (required: creating the communicator fails where the provider does not grant FI_HMEM) or
-  "auto" (on with the providers of HMEM_PROVIDERS, off otherwise)."""
+  (required: creating the communicator fails where the provider does not grant FI_HMEM or
+  libfabric cannot register CUDA memory) or "auto" (on with the providers of HMEM_PROVIDERS
+  where libfabric registers CUDA memory, off otherwise)."""
   text = os.environ.get("JAX_MOE_PROXY_HMEM", "off")
   if text not in PROXY_HMEM_CHOICES:
     raise ValueError(f"JAX_MOE_PROXY_HMEM must be one of {PROXY_HMEM_CHOICES}, got {text!r}")
   return text
 
 
-def proxy_rows_device_from_remote() -> bool:
-  """Whether remote ranks' rows land in device memory (proxy_hmem() and the provider)."""
+def proxy_rows_device_from_remote(registers_cuda_memory: Callable[[str, str], bool]) -> bool:
+  """Whether remote ranks' rows land in device memory: proxy_hmem(), and for "auto" the
+  provider and `registers_cuda_memory(provider, node)` (transport.registers_cuda_memory: a
+  registration probe, asked only then)."""
   choice = proxy_hmem()
   if choice == "auto":
-    return host_provider().split(";")[0] in HMEM_PROVIDERS
+    provider = host_provider()
+    return (provider.split(";")[0] in HMEM_PROVIDERS
+            and registers_cuda_memory(provider, host_node()))
   return choice == "on"
 
 

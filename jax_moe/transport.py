@@ -16,6 +16,7 @@ and raises TransportError naming the rank, the stage and the peers that are miss
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -192,3 +193,25 @@ def _checked_timeout(timeout_s) -> float:
     raise ValueError(f"timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S}], "
                      f"got {timeout_s}")
   return value
+
+
+@functools.cache
+def registers_cuda_memory(provider: str, node: str = "") -> bool:
+  """Whether this libfabric registers CUDA memory with `provider`: it grants FI_HMEM and a
+  registration of a small buffer on the first local GPU succeeds. Granting is not enough:
+  distribution packages of libfabric are built without CUDA (Debian's 1.17: shm grants
+  FI_HMEM, then refuses every CUDA registration). False without a GPU or libfabric."""
+  import jax  # only here: the engine itself works without JAX
+
+  gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+  if not available() or not gpus:
+    return False
+  try:
+    with TransferEngine(0, provider=provider, node=node or None, cuda_memory=True) as engine:
+      if not engine.facts["cuda_memory"]:
+        return False
+      probe = jax.device_put(np.zeros(4096, np.uint8), gpus[0])
+      engine.deregister(engine.register_device(probe))
+  except TransportError:
+    return False
+  return True

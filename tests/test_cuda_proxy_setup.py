@@ -57,25 +57,37 @@ def test_proxy_choices_refuse_other_values(monkeypatch, name, read, values, bad)
         read()
 
 
-@pytest.mark.parametrize("hmem, provider, expected", [
-    (None, "efa", False), ("off", "efa", False), ("on", "shm", True), ("on", "tcp;ofi_rxm", True),
-    ("auto", "shm", False), ("auto", "tcp;ofi_rxm", False), ("auto", "efa", True),
-    ("auto", "verbs;ofi_rxm", True)])
-def test_remote_rows_land_in_device_memory_when_hmem_asks(monkeypatch, hmem, provider, expected):
-    # Off by default (until the path has run on a GPU cluster); auto: the RDMA providers only.
+@pytest.mark.parametrize("hmem, provider, registers, expected", [
+    (None, "efa", True, False), ("off", "efa", True, False), ("on", "shm", False, True),
+    ("on", "tcp;ofi_rxm", False, True), ("auto", "shm", True, False),
+    ("auto", "tcp;ofi_rxm", True, False), ("auto", "efa", True, True),
+    ("auto", "verbs;ofi_rxm", True, True), ("auto", "efa", False, False)])
+def test_remote_rows_land_in_device_memory_when_hmem_asks(monkeypatch, hmem, provider,
+                                                          registers, expected):
+    # Off by default (until the path has run on a GPU cluster); auto: the RDMA providers, where
+    # libfabric registers CUDA memory (asked only then); on: required (registration errors).
     if hmem is None:
         monkeypatch.delenv("JAX_MOE_PROXY_HMEM", raising=False)
     else:
         monkeypatch.setenv("JAX_MOE_PROXY_HMEM", hmem)
     monkeypatch.setenv("JAX_MOE_HOST_PROVIDER", provider)
-    assert settings.proxy_rows_device_from_remote() is expected
+    monkeypatch.setenv("JAX_MOE_HOST_NODE", "10.0.0.7")
+    asked = []
+
+    def probe(provider, node):
+        asked.append((provider, node))
+        return registers
+
+    assert settings.proxy_rows_device_from_remote(probe) is expected
+    probed = hmem == "auto" and provider.split(";")[0] in ("efa", "verbs")
+    assert asked == ([(provider, "10.0.0.7")] if probed else [])
 
 
 @pytest.mark.parametrize("bad", ["", "1", "On", "device"])
 def test_hmem_refuses_other_values(monkeypatch, bad):
     monkeypatch.setenv("JAX_MOE_PROXY_HMEM", bad)
     with pytest.raises(ValueError, match=r"JAX_MOE_PROXY_HMEM must be one of \('off', 'on'"):
-        settings.proxy_rows_device_from_remote()
+        settings.proxy_rows_device_from_remote(lambda provider, node: True)
 
 
 def fake_devices(processes):

@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -322,6 +323,26 @@ def test_scatter_arguments_are_checked():
             engine(domains=["shm"] * 17)
         with pytest.raises(ValueError, match="non-empty domain names"):
             engine(domains=["shm", ""])
+
+
+@pytest.mark.skipif(not jm.build_info()["cuda"], reason="CUDA registrations need a CUDA build")
+def test_cuda_registration_names_a_libfabric_built_without_cuda():
+    # Debian's libfabric (CI's and the GPU machines') is built without CUDA: shm grants FI_HMEM,
+    # then refuses every CUDA registration before it looks at the pointer, so a host buffer
+    # posing as a GPU array reaches that refusal here.
+    with engine(cuda_memory=True) as e:
+        assert e.facts["cuda_memory"]
+        buffer = np.zeros(64, np.uint8)
+        gpu = types.SimpleNamespace(platform="gpu", local_hardware_id=0)
+        posing = types.SimpleNamespace(devices=lambda: [gpu], nbytes=buffer.nbytes,
+                                       unsafe_buffer_pointer=lambda: buffer.ctypes.data)
+        expected = (r"cannot register CUDA memory with provider shm \(fi_mr_regattr: .*built "
+                    r"without CUDA support\).*JAX_MOE_PROXY_HMEM=off")
+        regions = e.open_regions()
+        with pytest.raises(transport.TransportError, match=expected):
+            e.register_device(posing)
+        assert e.open_regions() == regions
+    assert transport.registers_cuda_memory("shm") is False  # no GPU here, and no CUDA support
 
 
 def test_rails_in_one_engine():

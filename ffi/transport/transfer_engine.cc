@@ -327,7 +327,17 @@ int TransferEngine::register_memory(void* ptr, uint64_t size, int cuda_device) {
   try {
     for (const Rail& rail : rails_) {
       fid_mr* mr = nullptr;
-      check_fabric(fi_mr_regattr(rail.domain, &attr, 0, &mr), "fi_mr_regattr");
+      const int ret = fi_mr_regattr(rail.domain, &attr, 0, &mr);
+      if (ret == -FI_ENOSYS && cuda_device >= 0) {
+        // The provider granted FI_HMEM, yet this libfabric has no CUDA interface: it was
+        // built without CUDA (distribution packages are; seen with Debian's 1.17 and shm).
+        throw TransportError("register_memory: this libfabric cannot register CUDA memory "
+                             "with provider " + facts_.provider + " (fi_mr_regattr: " +
+                             fi_strerror(FI_ENOSYS) + "; it was built without CUDA support): "
+                             "use a libfabric built with CUDA, or host memory "
+                             "(JAX_MOE_PROXY_HMEM=off for the cuda proxies)");
+      }
+      check_fabric(ret, "fi_mr_regattr");
       region->mrs.push_back(mr);
       if (facts_.mr_mode & FI_MR_ENDPOINT) {
         check_fabric(fi_mr_bind(mr, &rail.ep->fid, 0), "fi_mr_bind");

@@ -24,7 +24,7 @@ import functools
 
 import jax
 
-from jax_moe import settings
+from jax_moe import settings, transport
 from jax_moe.backends import host_remote, hosts
 from jax_moe.backends.cuda_ranks import cuda_module, exchange_ipc_handles
 from jax_moe.backends.ranks import RankStates
@@ -56,7 +56,7 @@ class ProxyRanks(RankStates):
     self._native = module
 
     near_rows_device = settings.proxy_near_rows() == "device"
-    hmem = settings.proxy_rows_device_from_remote()
+    hmem = settings.proxy_rows_device_from_remote(transport.registers_cuda_memory)
 
     def create(comm_id: int, ordinal: int, rank: int, shared: bool, remote: bool) -> None:
       module.cuda_create_rank(comm_id=comm_id, ordinal=ordinal, proxy=True,
