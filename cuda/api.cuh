@@ -72,13 +72,12 @@ cudaError_t launch_all_reduce_nvls(const CommView& view, const AllReduceLayout& 
                                    char* multicast, char* unicast, ReduceDtype dtype,
                                    const void* x, void* out, int64_t n, cudaStream_t stream);
 
-// One request to the host proxy (ffi/cuda/host_proxy.h): one thread advances the view's proxy
-// sequence and rings `doorbell` (mapped pinned host memory, as the device addresses it) with
-// `op` (< 256). With `spin` it then waits until the proxy reports it done, giving up after
-// `wait_ns` (TIMEOUT in stage kStageProxy, this rank as the detail); without, the caller
-// enqueues the stream's wait on `answered`. After any timeout of this device it rings
-// nothing and leaves `answered` set, so neither wait holds the stream.
+// One request to the host proxy (ffi/cuda/host_proxy.h) by a kernel: one thread rings
+// `doorbell` (mapped pinned host memory, as the device addresses it) with `op` (< 256), then
+// waits until the proxy answers, giving up after `wait_ns` (TIMEOUT in stage kStageProxy, this
+// rank as the detail). After any timeout of this device it rings nothing. (With stream waits
+// the proxy rings with stream memory operations instead: CudaProxy::request.)
 cudaError_t launch_proxy_request(const CommView& view, ProxyDoorbell* doorbell, uint32_t op,
-                                 uint64_t wait_ns, bool spin, cudaStream_t stream);
+                                 uint64_t wait_ns, cudaStream_t stream);
 
 }  // namespace jax_moe

@@ -10,25 +10,24 @@
 namespace jax_moe {
 
 // A device's requests to its host proxy thread (ffi/cuda/host_proxy.h), in mapped pinned host
-// memory. A one-thread kernel of the stream clears `answered` and stores `seq << 8 | op` into
-// `request` after the request's inputs are in host memory; the proxy runs that phase, stores
-// `seq` into `done` and 1 into `answered`. The stream then goes on: with stream waits, once a
-// stream memory operation (cuStreamWaitValue32) saw `answered` == 1, so no kernel holds an
-// SM, or the GPU's time slice when processes share a GPU, while the proxy works; else once
-// the ringing kernel, spinning, saw `done` reach `seq`. One request at a time: the stream
-// waits for each (so inputs and outputs can be reused).
+// memory. The stream clears `answered`, then stores `kProxyRung | op` into `request`, both after
+// the request's inputs are in host memory; the proxy takes the request (stores 0 into
+// `request`), runs that phase and stores 1 into `answered`. The stream then goes on once it
+// saw `answered` == 1. With stream waits the three are one batch of stream memory operations
+// (cuStreamBatchMemOp: no kernel, so no SM, or the GPU's time slice when processes share a
+// GPU, is held while the proxy works); else a one-thread kernel stores them and spins. The
+// values carry no sequence, so a command buffer's replays ring like the first capture. One
+// request at a time: the stream waits for each (so inputs and outputs can be reused).
 struct ProxyDoorbell {
-  uint64_t request;
-  uint64_t done;
+  uint32_t request;
   uint32_t answered;
-  uint32_t unused;
 };
+constexpr uint32_t kProxyRung = 1u << 31;  // `request` holds a request (its op in the low byte)
 
 // Per-device bookkeeping in device memory, touched only by this device's kernels.
 // (The NVLink dispatch/combine keep per-chunk sequences instead: ffi/protocol/nvlink_layout.h.)
 struct DeviceCounters {
   uint64_t all_reduce_seq;   // sequence of the last all-reduce (advanced by its last block)
-  uint64_t proxy_seq;        // sequence of the last request rung on the proxy's doorbell
   uint32_t blocks_done[1];   // last-block-done counters, one per kernel that publishes (see kDone*)
   int32_t error_claimed;     // 0 until a kernel claims the error record (first error wins)
   int32_t aborted;           // set on a timeout so every other waiter gives up at once

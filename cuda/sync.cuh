@@ -22,6 +22,16 @@ __device__ inline void store_release_sys(uint64_t* flag, uint64_t value) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
 }
 
+__device__ inline uint32_t load_acquire_sys(const uint32_t* flag) {
+  uint32_t value;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
+  return value;
+}
+
+__device__ inline void store_release_sys(uint32_t* flag, uint32_t value) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
+}
+
 __device__ inline uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -47,9 +47,9 @@ def force_remote() -> bool:
 
 
 def proxy_wait() -> str:
-  """JAX_MOE_PROXY_WAIT: how a cuda stream waits for its host proxy: "stream" (default, a
-  stream memory operation on the doorbell: no kernel holds the GPU meanwhile) or "kernel" (a
-  one-thread kernel spins, timeout-bounded on the GPU)."""
+  """JAX_MOE_PROXY_WAIT: how a cuda stream rings and waits for its host proxy: "stream"
+  (default, stream memory operations on the doorbell: no kernel is launched or holds the GPU
+  meanwhile) or "kernel" (a one-thread kernel rings and spins, timeout-bounded on the GPU)."""
   text = os.environ.get("JAX_MOE_PROXY_WAIT", "stream")
   if text not in ("stream", "kernel"):
     raise ValueError(f"JAX_MOE_PROXY_WAIT must be 'stream' or 'kernel', got {text!r}")

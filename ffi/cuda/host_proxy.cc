@@ -82,15 +82,15 @@ void upload_table(char** device, const std::vector<char*>& host, const char* wha
              what);
 }
 
-// The driver's cuStreamWaitValue32 (CUDA 12 ABI). Throws std::runtime_error.
-decltype(&cuStreamWaitValue32) stream_wait_entry() {
-  void* fn = driver_entry_point("cuStreamWaitValue32", 12000);
+// The driver's cuStreamBatchMemOp (CUDA 12 ABI). Throws std::runtime_error.
+decltype(&cuStreamBatchMemOp) stream_mem_ops_entry() {
+  void* fn = driver_entry_point("cuStreamBatchMemOp", 12000);
   if (fn == nullptr) {
     throw std::runtime_error(
-        "jax_moe cuda proxy: the CUDA driver has no cuStreamWaitValue32 for "
+        "jax_moe cuda proxy: the CUDA driver has no cuStreamBatchMemOp for "
         "JAX_MOE_PROXY_WAIT=stream; set JAX_MOE_PROXY_WAIT=kernel");
   }
-  return reinterpret_cast<decltype(&cuStreamWaitValue32)>(fn);
+  return reinterpret_cast<decltype(&cuStreamBatchMemOp)>(fn);
 }
 
 }  // namespace
@@ -123,7 +123,7 @@ CudaProxy::CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool st
       wait_ns_(wait_ns),
       device_rows_(device_rows),
       areas_(areas_for(dims)) {
-  if (stream_wait) wait_value_ = stream_wait_entry();
+  if (stream_wait) mem_ops_ = stream_mem_ops_entry();
   try {
     constexpr unsigned kMapped = cudaHostAllocMapped | cudaHostAllocPortable;
     check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&staging_), areas_.total, kMapped),
@@ -283,15 +283,24 @@ std::vector<ProxySample> CudaProxy::take_samples() {
 }
 
 cudaError_t CudaProxy::request(const CommView& v, uint32_t op, cudaStream_t stream) {
-  JAX_MOE_RETURN_IF_ERROR(
-      launch_proxy_request(v, doorbell_device_, op, wait_ns_, wait_value_ == nullptr, stream));
-  if (wait_value_ == nullptr) return cudaSuccess;
-  // No timeout of its own: the proxy answers every request it saw, its waits bounded by the
-  // host exchange's timeout (failures included, control_->go then stays 0), and the ringing
-  // kernel leaves `answered` set when it rang nothing.
-  const CUresult status =
-      wait_value_(stream, reinterpret_cast<CUdeviceptr>(&doorbell_device_->answered), 1,
-                  CU_STREAM_WAIT_VALUE_EQ);
+  if (mem_ops_ == nullptr) return launch_proxy_request(v, doorbell_device_, op, wait_ns_, stream);
+  if (op > 0xff) return cudaErrorInvalidValue;
+  // Clear the answer, ring, wait for the answer: one batch, in order, each write after every
+  // earlier operation of the stream (the default flags: a memory barrier before the write).
+  // The wait has no timeout of its own: the proxy answers every request it takes, its waits
+  // bounded by the host exchange's timeout (failures included: control_->go then stays 0).
+  CUstreamBatchMemOpParams ops[3] = {};
+  ops[0].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+  ops[0].writeValue.address = reinterpret_cast<CUdeviceptr>(&doorbell_device_->answered);
+  ops[0].writeValue.value = 0;
+  ops[1].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+  ops[1].writeValue.address = reinterpret_cast<CUdeviceptr>(&doorbell_device_->request);
+  ops[1].writeValue.value = kProxyRung | op;
+  ops[2].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+  ops[2].waitValue.address = reinterpret_cast<CUdeviceptr>(&doorbell_device_->answered);
+  ops[2].waitValue.value = 1;
+  ops[2].waitValue.flags = CU_STREAM_WAIT_VALUE_EQ;
+  const CUresult status = mem_ops_(stream, 3, ops, 0);
   return status == CUDA_SUCCESS                ? cudaSuccess
          : status == CUDA_ERROR_NOT_SUPPORTED ? cudaErrorNotSupported
                                               : cudaErrorUnknown;
@@ -327,18 +336,19 @@ ProxyRowsView CudaProxy::rows_view(const CommView& v) const {
 
 void CudaProxy::run() {
   cudaSetDevice(ordinal_);  // for the flush of remote writes (serve)
-  uint64_t served = 0;
   int64_t answered_at = -1;
   auto last_request = Clock::now();
   while (!stop_.load(std::memory_order_relaxed)) {
-    const uint64_t request = __atomic_load_n(&doorbell_->request, __ATOMIC_ACQUIRE);
-    if ((request >> 8) == served) {
+    const uint32_t request = __atomic_load_n(&doorbell_->request, __ATOMIC_ACQUIRE);
+    if (!(request & kProxyRung)) {
       if (Clock::now() - last_request > kHotPoll) std::this_thread::sleep_for(kIdlePoll);
       else __builtin_ia32_pause();
       continue;
     }
     const int64_t seen = now_ns();
-    const uint32_t op = static_cast<uint32_t>(request & 0xff);
+    const uint32_t op = request & 0xff;
+    // Taken: the stream rings the next request only after this one's answer.
+    __atomic_store_n(&doorbell_->request, 0u, __ATOMIC_RELAXED);
     host_->first_post_ns = 0;
     try {
       serve(op);
@@ -351,8 +361,6 @@ void CudaProxy::run() {
       host_->record_error(kTimeout, kStageProxy, host_->dims.rank);
       host_->timed_out = true;
     }
-    served = request >> 8;
-    __atomic_store_n(&doorbell_->done, served, __ATOMIC_RELEASE);
     __atomic_store_n(&doorbell_->answered, 1u, __ATOMIC_RELEASE);
     const int64_t finished = now_ns();
     last_request = Clock::now();

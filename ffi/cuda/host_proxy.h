@@ -12,7 +12,7 @@
 // the remote ranks (cudaHostRegister; the other local ranks' proxies map theirs).
 // One request of the stream (CudaProxy::dispatch_send etc., same arguments as the launchers
 // of cuda/api.cuh) is: ring the doorbell for the half's first CPU phase and wait for it
-// (cuda/proxy.cu), the half's kernel (cuda/proxy_rows.cuh) on the mapped memory, and for a
+// (CudaProxy::request), the half's kernel (cuda/proxy_rows.cuh) on the mapped memory, and for a
 // send half ring for the second CPU phase (in a fused op, together with the receive half's
 // first: Joint); a receive half's second phase rides on the next request.
 // Everything is stream-ordered device work with fixed addresses, so it can be captured into a
@@ -67,8 +67,8 @@ struct DeviceRows {
 class CudaProxy {
  public:
   // Allocates the mapped staging, scratch and the doorbell for a rank of `dims` on device
-  // `ordinal` (current). With `stream_wait` the stream waits for each request with a stream
-  // memory operation (no spinning kernel; bounded by the proxy's own waits), else the ringing
+  // `ordinal` (current). With `stream_wait` the stream rings and waits for each request with
+  // stream memory operations (no kernel; bounded by the proxy's own waits), else a ringing
   // kernel spins for at most `wait_ns`. Throws std::runtime_error.
   CudaProxy(const MoeDims& dims, int ordinal, uint64_t wait_ns, bool stream_wait,
             DeviceRows device_rows);
@@ -150,9 +150,9 @@ class CudaProxy {
   // NIC visible to the kernel that follows (GPUDirect RDMA writes: a flush), where the
   // device needs it.
   bool flush_remote_writes_ = false;
-  // cuStreamWaitValue32 (the driver's, reached through the runtime: libcuda is not linked),
-  // when the stream waits for the proxy with a memory operation; null: the kernel spins.
-  decltype(&cuStreamWaitValue32) wait_value_ = nullptr;
+  // cuStreamBatchMemOp (the driver's, reached through the runtime: libcuda is not linked),
+  // when the stream rings and waits with memory operations; null: a kernel rings and spins.
+  decltype(&cuStreamBatchMemOp) mem_ops_ = nullptr;
   Areas areas_{};
   char* staging_ = nullptr;                  // mapped pinned host memory [areas_.total]
   char* staging_device_ = nullptr;           // the same, as the device addresses it
