@@ -16,9 +16,10 @@
 # The install folders must be what `import jax_moe` finds, and an editable install (what
 # gpu_run.sh and gpu_build.sh leave on a warm machine) would win over them: it is uninstalled
 # first (gpu_build.sh installs it again when one of the gpu_*.sh scripts runs).
-# tests/gpu/test_multiprocess.py does not run from a variant's folder (session 19: its jobs
-# failed in every variant, base included); check a variant's protocol with gpu_run.sh mp1 on
-# a tree with the patch applied.
+# COMMAND runs with the install folder first on PYTHONPATH: the processes that tests and
+# benchmarks start (tests/gpu/mp_worker.py, the benchmarks' workers) run a script, whose
+# folder, not the working directory, is what Python puts first on the path (session 19: every
+# multi-process job failed in every variant without it, base included).
 set -u -o pipefail
 if [ $# -ne 2 ] || ! [[ $1 =~ ^[1-9][0-9]*$ ]]; then
   echo "usage: AB_PATCHES=DIR $0 ROUNDS 'COMMAND'" >&2
@@ -101,6 +102,7 @@ for round in $(seq 1 "$rounds"); do
   for name in "${names[@]}"; do
     log=$logs/$name.$round.log
     (cd "$work/$name/site" && AB_NAME=$name AB_ROUND=$round AB_LOGS=$logs \
+      PYTHONPATH=$work/$name/site${PYTHONPATH:+:$PYTHONPATH} \
       timeout -s KILL "${AB_TIMEOUT_S:-300}" bash -c "$command") > "$log" 2>&1
     echo "$name round $round: rc=$? ($(( $(date +%s) - started )) s)"
     [ -n "${AB_SHOW:-}" ] && grep -E "$AB_SHOW" "$log" | head -"${AB_SHOW_LINES:-12}"
