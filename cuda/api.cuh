@@ -76,7 +76,7 @@ cudaError_t launch_all_reduce_nvls(const CommView& view, const AllReduceLayout& 
 // `doorbell` (mapped pinned host memory, as the device addresses it) with `op` (< 256), then
 // waits until the proxy answers, giving up after `wait_ns` (TIMEOUT in stage kStageProxy, this
 // rank as the detail). After any timeout of this device it rings nothing. (With stream waits
-// the proxy rings with stream memory operations instead: CudaProxy::request.)
+// the stream rings with stream memory operations instead: CudaProxy::request.)
 cudaError_t launch_proxy_request(const CommView& view, ProxyDoorbell* doorbell, uint32_t op,
                                  uint64_t wait_ns, cudaStream_t stream);
 
