@@ -35,6 +35,10 @@
 #            transport's time moves between runs), then prefill 4096 once
 #   proxyhmem  the proxy1 benchmark under MPS at decode with JAX_MOE_PROXY_HMEM off, then on (the
 #            rows from the other process written into device memory by the engines, FI_HMEM)
+#   hmemcuda  with the libfabric of .fabric-cuda/lib (built with CUDA by
+#            build_libfabric_cuda.sh; carry it) first on LD_LIBRARY_PATH: `hmem`'s facts, a CUDA
+#            registration probe, the FI_HMEM jobs of the one-GPU multi-process tests, then
+#            proxyhmem with that library (the off half is the same-library baseline)
 #   models_mp  tests/gpu/test_models_multiprocess.py: jax-moe generate with the cuda backend on 2
 #            processes sharing GPU 0 (CUDA IPC, forced through the host proxies, --tp 2) gives
 #            one process's tokens; tokens/s per path in the log (issues 15 and 19)
@@ -200,6 +204,21 @@ except Exception as err:
         JAX_MOE_PROXY_HMEM=$hmem proxy_bench "proxyhmem-$hmem" 40 --phases decode=128 \
           --trace-iters 3 --mps
       done ;;
+    hmemcuda)
+      if [ ! -f .fabric-cuda/lib/libfabric.so.1 ]; then
+        echo "hmemcuda: no .fabric-cuda/lib/libfabric.so.1 (benchmarks/build_libfabric_cuda.sh)"
+        continue
+      fi
+      (export LD_LIBRARY_PATH=$PWD/.fabric-cuda/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+       timeout -s KILL 60 python3 -c "from jax_moe import transport
+print('hmemcuda facts:', transport.TransferEngine(0, provider='shm', cuda_memory=True).facts)
+print('hmemcuda registers CUDA memory with shm:', transport.registers_cuda_memory('shm'))" 2>&1 \
+         | grep hmemcuda
+       suite multiprocess_hmem 300 -rs tests/gpu/test_multiprocess.py -k "1GPU and hmem"
+       for hmem in off on; do
+         JAX_MOE_PROXY_HMEM=$hmem proxy_bench "hmemcuda-$hmem" 40 --phases decode=128 \
+           --trace-iters 3 --mps
+       done) ;;
     misuse)
       suite misuse_gpu 120 tests/test_misuse.py
       timeout -s KILL 120 python3 benchmarks/soak.py --backends cuda,xla --seconds 60 --iterations 1000000 \
