@@ -33,12 +33,15 @@
 #            request costs the GPU between the proxy's answer and the next doorbell
 #   proxyrep   the proxy1 benchmark under MPS (stream waits): decode three times in a row (the raw
 #            transport's time moves between runs), then prefill 4096 once
-#   proxyhmem  the proxy1 benchmark under MPS at decode with JAX_MOE_PROXY_HMEM off, then on (the
-#            rows from the other process written into device memory by the engines, FI_HMEM)
 #   hmemcuda  with the libfabric of .fabric-cuda/lib (built with CUDA by
 #            build_libfabric_cuda.sh; carry it) first on LD_LIBRARY_PATH: `hmem`'s facts, a CUDA
-#            registration probe, the FI_HMEM jobs of the one-GPU multi-process tests, then
-#            proxyhmem with that library (the off half is the same-library baseline)
+#            registration probe and tests/gpu/test_transport_cuda.py (the engines' writes from and
+#            into device memory over shm). The proxies' FI_HMEM path needs efa or verbs
+#            (settings.HMEM_PROVIDERS): bench_host_remote.py and the FI_HMEM jobs with
+#            JAX_MOE_HOST_PROVIDER / JAX_MOE_TEST_HMEM_PROVIDER set to one, on such a cluster
+#   gdbjob   the multi-process jobs that GDB_JOBS selects (a pytest -k expression; default
+#            "1GPU"), each worker under cuda-gdb, FI_LOG_LEVEL=warn: a crash's stack in the
+#            workers' output under gdbjob-tmp/ (JAX_MOE_TEST_WORKER_PREFIX)
 #   models_mp  tests/gpu/test_models_multiprocess.py: jax-moe generate with the cuda backend on 2
 #            processes sharing GPU 0 (CUDA IPC, forced through the host proxies, --tp 2) gives
 #            one process's tokens; tokens/s per path in the log (issues 15 and 19)
@@ -199,11 +202,6 @@ except Exception as err:
         proxy_bench "proxyrep-$run" 8 --phases decode=128 --mps
       done
       proxy_bench proxyrep-prefill 8 --phases prefill=4096 --mps ;;
-    proxyhmem)
-      for hmem in off on; do
-        JAX_MOE_PROXY_HMEM=$hmem proxy_bench "proxyhmem-$hmem" 40 --phases decode=128 \
-          --trace-iters 3 --mps
-      done ;;
     hmemcuda)
       if [ ! -f .fabric-cuda/lib/libfabric.so.1 ]; then
         echo "hmemcuda: no .fabric-cuda/lib/libfabric.so.1 (benchmarks/build_libfabric_cuda.sh)"
@@ -214,11 +212,13 @@ except Exception as err:
 print('hmemcuda facts:', transport.TransferEngine(0, provider='shm', cuda_memory=True).facts)
 print('hmemcuda registers CUDA memory with shm:', transport.registers_cuda_memory('shm'))" 2>&1 \
          | grep hmemcuda
-       suite multiprocess_hmem 300 -rs tests/gpu/test_multiprocess.py -k "1GPU and hmem"
-       for hmem in off on; do
-         JAX_MOE_PROXY_HMEM=$hmem proxy_bench "hmemcuda-$hmem" 40 --phases decode=128 \
-           --trace-iters 3 --mps
-       done) ;;
+       suite transport_cuda 120 -rs tests/gpu/test_transport_cuda.py) ;;
+    gdbjob)
+      (export FI_LOG_LEVEL=warn
+       export JAX_MOE_TEST_WORKER_PREFIX="cuda-gdb -q -batch -ex 'set pagination off' -ex run -ex bt --args"
+       suite gdbjob 400 -rs tests/gpu/test_multiprocess.py -k "${GDB_JOBS:-1GPU}" \
+         --basetemp="$logs/gdbjob-tmp"
+       grep -h -A30 -E 'SIGSEGV|SIGABRT|SIGBUS' "$logs"/gdbjob-tmp/*/stdout*.txt | head -90) ;;
     misuse)
       suite misuse_gpu 120 tests/test_misuse.py
       timeout -s KILL 120 python3 benchmarks/soak.py --backends cuda,xla --seconds 60 --iterations 1000000 \

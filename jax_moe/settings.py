@@ -68,8 +68,12 @@ def proxy_near_rows() -> str:
 
 
 PROXY_HMEM_CHOICES = ("off", "on", "auto")
-# Providers that register device memory for RDMA (GPUDirect); JAX_MOE_PROXY_HMEM=auto uses it
-# with these where this libfabric can (it needs a build with CUDA).
+# Providers whose NICs write device memory themselves (GPUDirect RDMA); JAX_MOE_PROXY_HMEM
+# uses only these, where this libfabric registers CUDA memory (it needs a build with CUDA).
+# shm and tcp are refused: they move device memory with blocking CUDA copies on the progress
+# thread. With a CUDA-built libfabric 1.17.1 on an H100 (session 20), such a copy of shm never
+# returned while the streams waited for those rows, and its lock stopped both processes'
+# proxies (a hang).
 HMEM_PROVIDERS = ("efa", "verbs")
 
 
@@ -78,9 +82,9 @@ def proxy_hmem() -> str:
   of ranks on other hosts straight into device memory (libfabric FI_HMEM: the TransferEngine
   writes into a device buffer in the host layout; routes and flags stay in host memory): "off"
   (default, until this path has run on a GPU cluster: rows land in the host buffer), "on"
-  (required: creating the communicator fails where the provider does not grant FI_HMEM or
-  libfabric cannot register CUDA memory) or "auto" (on with the providers of HMEM_PROVIDERS
-  where libfabric registers CUDA memory, off otherwise)."""
+  (required: a provider of HMEM_PROVIDERS, and creating the communicator fails where it does
+  not grant FI_HMEM or libfabric cannot register CUDA memory) or "auto" (on with the providers
+  of HMEM_PROVIDERS where libfabric registers CUDA memory, off otherwise)."""
   text = os.environ.get("JAX_MOE_PROXY_HMEM", "off")
   if text not in PROXY_HMEM_CHOICES:
     raise ValueError(f"JAX_MOE_PROXY_HMEM must be one of {PROXY_HMEM_CHOICES}, got {text!r}")
@@ -92,11 +96,17 @@ def proxy_rows_device_from_remote(registers_cuda_memory: Callable[[str, str], bo
   provider and `registers_cuda_memory(provider, node)` (transport.registers_cuda_memory: a
   registration probe, asked only then)."""
   choice = proxy_hmem()
-  if choice == "auto":
-    provider = host_provider()
-    return (provider.split(";")[0] in HMEM_PROVIDERS
-            and registers_cuda_memory(provider, host_node()))
-  return choice == "on"
+  if choice == "off":
+    return False
+  provider = host_provider()
+  rdma = provider.split(";")[0] in HMEM_PROVIDERS
+  if choice == "on" and not rdma:
+    raise ValueError(
+        f"JAX_MOE_PROXY_HMEM=on needs JAX_MOE_HOST_PROVIDER to be one of {HMEM_PROVIDERS} "
+        f"(GPUDirect RDMA), got {provider!r}: other providers copy device memory with "
+        "blocking CUDA copies on their progress thread, which hang behind the streams that "
+        "wait for those rows; use JAX_MOE_PROXY_HMEM=off")
+  return choice == "on" or (rdma and registers_cuda_memory(provider, host_node()))
 
 
 MLA_DECODE_CHOICES = ("auto", "pallas", "xla")  # jax_moe.models.mla_decode's implementations

@@ -3,6 +3,7 @@ and the host check (backends/hosts.py), without a GPU; the stage-clock switch (f
 The path itself runs on GPUs in gpu/test_cuda_backend.py (one process) and
 gpu/test_multiprocess.py (across processes)."""
 
+import re
 import types
 
 import numpy as np
@@ -58,8 +59,8 @@ def test_proxy_choices_refuse_other_values(monkeypatch, name, read, values, bad)
 
 
 @pytest.mark.parametrize("hmem, provider, registers, expected", [
-    (None, "efa", True, False), ("off", "efa", True, False), ("on", "shm", False, True),
-    ("on", "tcp;ofi_rxm", False, True), ("auto", "shm", True, False),
+    (None, "efa", True, False), ("off", "efa", True, False), ("on", "efa", False, True),
+    ("on", "verbs;ofi_rxm", False, True), ("auto", "shm", True, False),
     ("auto", "tcp;ofi_rxm", True, False), ("auto", "efa", True, True),
     ("auto", "verbs;ofi_rxm", True, True), ("auto", "efa", False, False)])
 def test_remote_rows_land_in_device_memory_when_hmem_asks(monkeypatch, hmem, provider,
@@ -81,6 +82,20 @@ def test_remote_rows_land_in_device_memory_when_hmem_asks(monkeypatch, hmem, pro
     assert settings.proxy_rows_device_from_remote(probe) is expected
     probed = hmem == "auto" and provider.split(";")[0] in ("efa", "verbs")
     assert asked == ([(provider, "10.0.0.7")] if probed else [])
+
+
+@pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm", "tcp", ""])
+def test_hmem_on_refuses_providers_that_copy_device_memory_with_cuda(monkeypatch, provider):
+    # shm and tcp move FI_HMEM buffers with blocking CUDA copies on their progress thread: on a
+    # GPU they hung behind the streams waiting for those rows (session 20). auto stays off.
+    monkeypatch.setenv("JAX_MOE_HOST_PROVIDER", provider)
+    monkeypatch.setenv("JAX_MOE_PROXY_HMEM", "on")
+    expected = (r"JAX_MOE_PROXY_HMEM=on needs JAX_MOE_HOST_PROVIDER to be one of \('efa', "
+                rf"'verbs'\) \(GPUDirect RDMA\), got '{re.escape(provider)}'.*PROXY_HMEM=off")
+    with pytest.raises(ValueError, match=expected):
+        settings.proxy_rows_device_from_remote(lambda provider, node: True)
+    monkeypatch.setenv("JAX_MOE_PROXY_HMEM", "auto")
+    assert settings.proxy_rows_device_from_remote(lambda provider, node: True) is False
 
 
 @pytest.mark.parametrize("bad", ["", "1", "On", "device"])

@@ -67,7 +67,7 @@ class WaiterScope {
 struct TransferEngine::Region {
   std::vector<fid_mr*> mrs;        // [rails]: one registration with each rail's domain
   std::vector<void*> local_descs;  // [rails] fi_mr_desc, passed with local buffers under
-                                   // FI_MR_LOCAL (else null)
+                                   // FI_MR_LOCAL and for device memory (else null)
   void* base = nullptr;
   uint64_t size = 0;
   RegionDescriptor remote;  // what peers need to write here
@@ -343,7 +343,10 @@ int TransferEngine::register_memory(void* ptr, uint64_t size, int cuda_device) {
         check_fabric(fi_mr_bind(mr, &rail.ep->fid, 0), "fi_mr_bind");
         check_fabric(fi_mr_enable(mr), "fi_mr_enable");
       }
-      region->local_descs.push_back((facts_.mr_mode & FI_MR_LOCAL) ? fi_mr_desc(mr) : nullptr);
+      // FI_MR_HMEM: a device buffer's descriptor must go with every transfer from it, else the
+      // provider takes it for host memory (shm memcpy'd from the device pointer and crashed).
+      const bool pass_desc = (facts_.mr_mode & FI_MR_LOCAL) || cuda_device >= 0;
+      region->local_descs.push_back(pass_desc ? fi_mr_desc(mr) : nullptr);
       region->remote.keys.push_back(fi_mr_key(mr));
     }
   } catch (...) {

@@ -24,6 +24,7 @@ hosts (shared memory within a host), and one host job puts both processes on one
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -155,7 +156,9 @@ HOST_JOBS = apart((
 # the TransferEngine (shm or tcp;ofi_rxm); the rows move in host memory mapped into the GPU.
 FORCE_REMOTE = (("JAX_MOE_FORCE_REMOTE", "1"),)
 NEAR_ROWS_DEVICE = (("JAX_MOE_PROXY_NEAR_ROWS", "device"),)
-HMEM = (("JAX_MOE_PROXY_HMEM", "on"),)  # needs a libfabric built with CUDA (see the test)
+# Needs an RDMA provider (settings.HMEM_PROVIDERS) and a libfabric built with CUDA: the jobs
+# take their provider from JAX_MOE_TEST_HMEM_PROVIDER (see the test).
+HMEM = (("JAX_MOE_PROXY_HMEM", "on"),)
 PROXY_JOBS = apart((
     Job("ep2-1perGPU-forced-remote-shm-fp8-source-padding16", (0, 1),
         ("--dispatch", "fp8", "--reduce", "source", "--expert-padding", "16"),
@@ -204,14 +207,14 @@ PROXY_JOBS = apart((
     Job("ep2-1GPU-1host-nearrows-device-bf16-expert-split", (0, 0),
         ("--dispatch", "bf16", "--reduce", "expert", "--split"), timeout_s=120,
         env=FORCE_REMOTE + NEAR_ROWS_DEVICE, hosts=("a", "a")),
-    # The rows from other hosts written by the engines into each rank's device buffer
-    # (FI_HMEM), routes and flags through host memory: alone, and with near device rows.
-    Job("ep2-1GPU-forced-remote-shm-hmem-fp8-expert-bf16partials", (0, 0),
+    # The rows from other hosts written by the NICs into each rank's device buffer (FI_HMEM),
+    # routes and flags through host memory: alone, and with near device rows.
+    Job("ep2-1GPU-forced-remote-rdma-hmem-fp8-expert-bf16partials", (0, 0),
         ("--dispatch", "fp8", "--reduce", "expert", "--partial-dtype", "bfloat16"),
-        timeout_s=120, env=SHM + FORCE_REMOTE + HMEM),
-    Job("ep4-1GPU-2hosts-shm-hmem-nearrows-device-bf16-source-split", (0, 0, 0, 0),
+        timeout_s=120, env=FORCE_REMOTE + HMEM),
+    Job("ep4-1GPU-2hosts-rdma-hmem-nearrows-device-bf16-source-split", (0, 0, 0, 0),
         ("--dispatch", "bf16", "--reduce", "source", "--split"), timeout_s=150,
-        env=SHM + NEAR_ROWS_DEVICE + HMEM, hosts=TWO_HOSTS),
+        env=NEAR_ROWS_DEVICE + HMEM, hosts=TWO_HOSTS),
 ))
 
 
@@ -223,7 +226,10 @@ def cuda_device_count():
 
 
 def start_worker(job, process_id, port, folder):
-    command = [sys.executable, str(job.worker), "--process-id", str(process_id),
+    # JAX_MOE_TEST_WORKER_PREFIX runs each worker under a debugger (gpu_run.sh's gdbjob:
+    # "cuda-gdb -batch -ex run -ex bt --args" prints the stack of a crash).
+    prefix = shlex.split(os.environ.get("JAX_MOE_TEST_WORKER_PREFIX", ""))
+    command = [*prefix, sys.executable, str(job.worker), "--process-id", str(process_id),
                "--num-processes", str(job.num_processes), "--port", str(port),
                "--gpu", str(job.gpus[process_id]),
                "--out", str(folder / f"result{process_id}.json"), *job.options]
@@ -295,13 +301,16 @@ def test_cuda_ranks_through_host_proxies_match_reference(job, tmp_path):
     needed, present = max(job.gpus) + 1, cuda_device_count()
     if present < needed:
         pytest.skip(f"needs {needed} CUDA devices, {present} present")
-    env = dict(job.env)
-    provider = env.get("JAX_MOE_HOST_PROVIDER", "")
-    if env.get("JAX_MOE_PROXY_HMEM") == "on" and not transport.registers_cuda_memory(provider):
-        # Debian's libfabric grants FI_HMEM with shm and refuses every CUDA registration (the
-        # communicator then fails with that reason, as tests/test_transport.py checks).
-        pytest.skip(f"this libfabric cannot register CUDA memory with {provider} (built "
-                    "without CUDA)")
+    if dict(job.env).get("JAX_MOE_PROXY_HMEM") == "on":
+        # FI_HMEM runs only where a NIC writes device memory (efa, verbs: settings.py says why
+        # shm and tcp are refused), with a libfabric built with CUDA (Debian's is not).
+        provider = os.environ.get("JAX_MOE_TEST_HMEM_PROVIDER", "")
+        if not provider:
+            pytest.skip("set JAX_MOE_TEST_HMEM_PROVIDER to an RDMA provider (efa, verbs) for "
+                        "the FI_HMEM jobs")
+        if not transport.registers_cuda_memory(provider):
+            pytest.skip(f"this libfabric cannot register CUDA memory with {provider}")
+        job = dataclasses.replace(job, env=job.env + (("JAX_MOE_HOST_PROVIDER", provider),))
     run_job(job, tmp_path)
 
 
