@@ -30,11 +30,15 @@ rounds=$1 command=$2
 # is not timed), then:
 #   decode   profile_kernels.py --ep 1 --tokens 128 --stages, fp8 and bf16 dispatch (expert
 #            mode, bf16 partials): each kernel's time and each block's stage clocks
-#   prefill  the one-GPU all-reduce tests, profile_kernels.py --ep 1 --tokens 4096 fused and
+#   prefill  the fp8 quantization tests (non-finite tokens through the cuda dispatch too) and
+#            the one-GPU all-reduce tests, profile_kernels.py --ep 1 --tokens 4096 fused and
 #            split (fp8), and bench_all_reduce.py --ep 1 (bf16, chained calls)
 tests_w1='python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py'
 tests_w1+=' -k "world1 or axis_size=1" 2>&1 | tail -2'
 tests_ar='python3 -m pytest -q -p no:cacheprovider tests/gpu/test_all_reduce_gpu.py 2>&1 | tail -2'
+tests_fp8='python3 -m pytest -q -p no:cacheprovider tests/test_parity.py -k "cuda and non_finite"'
+tests_fp8+=' 2>&1 | tail -2; python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py'
+tests_fp8+=' 2>&1 | tail -2'
 profile='python3 benchmarks/profile_kernels.py --ep 1 --reduce expert --partial-dtype bf16'
 ar_bench='python3 benchmarks/bench_all_reduce.py --ep 1 --modes chain --reps 3'
 ar_bench+=' --out $AB_LOGS/allreduce-$AB_NAME-$AB_ROUND 2>&1 | tail -25'
@@ -45,7 +49,7 @@ case $command in
     : "${AB_SHOW:=passed|failed|busy span|us x|^(fp8|bf16) +[a-z_]+ +[0-9-]}"
     : "${AB_SHOW_LINES:=40}" ;;
   prefill)
-    command="$tests_w1; $tests_ar; for s in '' --split; do $profile --tokens 4096"
+    command="$tests_w1; $tests_fp8; $tests_ar; for s in '' --split; do $profile --tokens 4096"
     command+=' --dispatch-dtype fp8 $s; done; '"$ar_bench"
     : "${AB_SHOW:=passed|failed|busy span|us x|one_shot|two_shot|psum}"
     : "${AB_SHOW_LINES:=60}" ;;
