@@ -84,6 +84,23 @@ echo "build: ok ($(( $(date +%s) - started )) s)"
 python3 -c "import jax, jax_moe as jm; print(jm.build_info()); print('backends', jm.available_backends(), jax.devices())"
 
 # suite NAME SECONDS ARGS...: runs one pytest suite under a hard time limit.
+# hmem_facts: whether this machine's libfabric grants FI_HMEM (CUDA memory) with shm and
+# tcp;ofi_rxm: the TransferEngine's facts, or the provider's refusal.
+hmem_facts() {
+  local provider
+  for provider in shm "tcp;ofi_rxm"; do
+    timeout -s KILL 30 python3 -c "import sys
+from jax_moe import transport
+try:
+  e = transport.TransferEngine(0, provider=sys.argv[1], node='127.0.0.1', timeout_s=2,
+                               cuda_memory=True)
+  print('hmem', sys.argv[1], 'granted:', e.facts)
+  e.close()
+except Exception as err:
+  print('hmem', sys.argv[1], 'refused:', type(err).__name__, err)" "$provider" 2>&1 | tail -2
+  done
+}
+
 suite() {
   local name=$1 seconds=$2
   shift 2
@@ -177,18 +194,7 @@ for step in "${steps[@]}"; do
       echo "bench ep1 cmdbuf: rc=$?"
       tail -14 "$logs/bench_ep1_cmdbuf.log" ;;
     models_mp) suite models_multiprocess 420 -s -rs tests/gpu/test_models_multiprocess.py ;;
-    hmem)
-      for provider in shm "tcp;ofi_rxm"; do
-        timeout -s KILL 30 python3 -c "import sys
-from jax_moe import transport
-try:
-  e = transport.TransferEngine(0, provider=sys.argv[1], node='127.0.0.1', timeout_s=2,
-                               cuda_memory=True)
-  print('hmem', sys.argv[1], 'granted:', e.facts)
-  e.close()
-except Exception as err:
-  print('hmem', sys.argv[1], 'refused:', type(err).__name__, err)" "$provider" 2>&1 | tail -2
-      done ;;
+    hmem) hmem_facts ;;
     proxy1)
       proxy_bench proxy1 40 --phases decode=128 --trace-iters 3
       proxy_bench proxy1-mps 40 --phases decode=128 --trace-iters 3 --mps ;;
@@ -208,14 +214,15 @@ except Exception as err:
         continue
       fi
       (export LD_LIBRARY_PATH=$PWD/.fabric-cuda/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+       hmem_facts
        timeout -s KILL 60 python3 -c "from jax_moe import transport
-print('hmemcuda facts:', transport.TransferEngine(0, provider='shm', cuda_memory=True).facts)
 print('hmemcuda registers CUDA memory with shm:', transport.registers_cuda_memory('shm'))" 2>&1 \
          | grep hmemcuda
        suite transport_cuda 120 -rs tests/gpu/test_transport_cuda.py) ;;
     gdbjob)
       (export FI_LOG_LEVEL=warn
-       export JAX_MOE_TEST_WORKER_PREFIX="cuda-gdb -q -batch -ex 'set pagination off' -ex run -ex bt --args"
+       JAX_MOE_TEST_WORKER_PREFIX="cuda-gdb -q -batch -ex 'set pagination off' -ex run"
+       export JAX_MOE_TEST_WORKER_PREFIX+=" -ex bt --args"
        suite gdbjob 400 -rs tests/gpu/test_multiprocess.py -k "${GDB_JOBS:-1GPU}" \
          --basetemp="$logs/gdbjob-tmp"
        grep -h -A30 -E 'SIGSEGV|SIGABRT|SIGBUS' "$logs"/gdbjob-tmp/*/stdout*.txt | head -90) ;;
