@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "cuda/rows.cuh"
 #include "cuda/sync.cuh"
@@ -39,7 +40,6 @@ struct Vec<float> {
                       __float_as_uint(f[3]));
   }
   __device__ static float scalar_to_f32(float x) { return x; }
-  __device__ static float scalar_from_f32(float x) { return x; }
 };
 
 template <>
@@ -48,7 +48,6 @@ struct Vec<__nv_bfloat16> {
   __device__ static void to_f32(const uint4& v, float f[8]) { bf16x8_to_f32(v, f); }
   __device__ static uint4 from_f32(const float f[8]) { return f32_to_bf16x8(f); }
   __device__ static float scalar_to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-  __device__ static __nv_bfloat16 scalar_from_f32(float x) { return __float2bfloat16_rn(x); }
 };
 
 template <>
@@ -71,7 +70,6 @@ struct Vec<__half> {
     return v;
   }
   __device__ static float scalar_to_f32(__half x) { return __half2float(x); }
-  __device__ static __half scalar_from_f32(float x) { return __float2half_rn(x); }
 };
 
 // Vectors [begin, end) of part `part` when [0, count) is cut into `parts` contiguous parts.
@@ -208,9 +206,18 @@ __device__ void reduce_range(Range r, int64_t n, int world, Source source, int c
       for (int k = 0; k < count; ++k) {
         T* out = dest(k);
         if (out == nullptr) continue;
-        if (full) reinterpret_cast<uint4*>(out)[j] = packed;
-        else
-          for (int64_t i = j * kN; i < n; ++i) out[i] = V::scalar_from_f32(acc[u][i - j * kN]);
+        if (full) {
+          reinterpret_cast<uint4*>(out)[j] = packed;
+        } else {
+          // The message's last, partial vector: the elements of `packed` (from_f32 rounds each
+          // value on its own) that are inside it. Constant indices only: a variable index into
+          // a register array puts the array on the stack.
+          T elements[kN];
+          memcpy(elements, &packed, sizeof(packed));
+#pragma unroll
+          for (int i = 0; i < kN; ++i)
+            if (j * kN + i < n) out[j * kN + i] = elements[i];
+        }
       }
     }
   });

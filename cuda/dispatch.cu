@@ -288,10 +288,7 @@ __device__ void send_quantized(const MoeDims& d, const uint4* row, const Sink& s
       if (!active) continue;
 #pragma unroll
       for (int c = 0; c < CPL; ++c) {
-        float f[8];
-        bf16x8_to_f32(values[c], f);
-        const uint2 codes = q.finite ? quantize8_e4m3_finite(f, q.multiplier)
-                                     : quantize8_e4m3_nonfinite(f, q.multiplier);
+        const uint2 codes = quantize8_e4m3(values[c], q);
         sink.codes(b * chunks_per_block + sub + c * lanes_per_block, codes);
       }
       if (sub == 0) sink.scale(b, q.scale);

@@ -114,10 +114,7 @@ __device__ void send_row(const ProxyRowsView& v, const BufferLayout& lay, const 
       const BlockQuant q = block_quant(pair, group);
       if (!active) continue;
       for (int c = sub; c < vectors; c += group) {
-        float f[8];
-        bf16x8_to_f32(row[b * vectors + c], f);
-        const uint2 codes = q.finite ? quantize8_e4m3_finite(f, q.multiplier)
-                                     : quantize8_e4m3_nonfinite(f, q.multiplier);
+        const uint2 codes = quantize8_e4m3(row[b * vectors + c], q);
         for_each_rank(mask,
                       [&](int p) { reinterpret_cast<uint2*>(slot(p))[b * vectors + c] = codes; });
       }
@@ -254,7 +251,9 @@ __device__ void sum_terms(int vectors, int count, const float* weight, Load load
   for (int c = threadIdx.x; c < vectors; c += blockDim.x) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int i0 = 0; i0 < count; i0 += kInFlight) {
-      float f[kInFlight][8];
+      // Terms past `count` are zero rather than undefined (an undefined one keeps the last
+      // iteration's value, which ptxas spilled around the loads).
+      float f[kInFlight][8] = {};
 #pragma unroll
       for (int u = 0; u < kInFlight; ++u)
         if (i0 + u < count) load(i0 + u, c, f[u]);

@@ -113,9 +113,14 @@ __device__ inline uint2 quantize8_e4m3_finite(const float f[8], float multiplier
   return make_uint2(words[0], words[1]);
 }
 
-// The same for a block whose amax is Inf or NaN, value by value (quantize_e4m3). Rare, so
-// kept out of line: the copy loops that call it stay small.
-static __device__ __noinline__ uint2 quantize8_e4m3_nonfinite(const float f[8], float multiplier) {
+// The same for a block whose amax is Inf or NaN, value by value (quantize_e4m3), from the
+// eight bf16 of `v` as loaded. Rare, so kept out of line: the copy loops that call it stay
+// small. It takes the 16-byte vector by value, not the caller's floats: an array argument of
+// a function not inlined lives in local memory, so every caller stored its eight floats to
+// the stack before each conversion, finite blocks included (session 20's SASS).
+static __device__ __noinline__ uint2 quantize8_e4m3_nonfinite(uint4 v, float multiplier) {
+  float f[8];
+  bf16x8_to_f32(v, f);
   uint2 codes = make_uint2(0, 0);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -123,6 +128,15 @@ static __device__ __noinline__ uint2 quantize8_e4m3_nonfinite(const float f[8], 
     codes.y |= quantize_e4m3(f[4 + i], multiplier) << (8 * i);
   }
   return codes;
+}
+
+// Codes of the eight bf16 of `v` in block quantization `q`: the finite path inline, the
+// non-finite one out of line.
+__device__ inline uint2 quantize8_e4m3(const uint4& v, const BlockQuant& q) {
+  if (!q.finite) return quantize8_e4m3_nonfinite(v, q.multiplier);
+  float f[8];
+  bf16x8_to_f32(v, f);
+  return quantize8_e4m3_finite(f, q.multiplier);
 }
 
 // Asynchronous 16-byte copies global -> shared (cp.async, bypassing L1): a warp keeps several
@@ -150,10 +164,12 @@ constexpr int kUnroll = 8;
 template <typename Load, typename Store>
 __device__ inline void warp_copy(int begin, int end, Load load, Store store) {
   for (int c0 = begin + lane_id(); c0 < end; c0 += 32 * kUnroll) {
+    // A vector this lane does not load is zero, not left undefined: an undefined one kept the
+    // last iteration's value, and the compiler spilled and reloaded it around every load.
     uint4 values[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (c0 + 32 * u < end) values[u] = load(c0 + 32 * u);
+      values[u] = c0 + 32 * u < end ? load(c0 + 32 * u) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (c0 + 32 * u < end) store(c0 + 32 * u, values[u]);
