@@ -5,19 +5,25 @@
 # exact) on the arrays XLA hands to the FFI calls. Build first (benchmarks/gpu_run.sh).
 # Logs go to $OUT (the device tool's output folder) or ./gpu_logs.
 #   benchmarks/gpu_memcheck.sh [STEP...]   (default: ep1 ep2)
+#   benchmarks/gpu_memcheck.sh --list [STEP...]   the pytest node ids of each step, one a line,
+#         nothing run (tests/test_gpu_scripts.py checks that every one exists: the ids went
+#         stale twice when a test's parameters changed, and the step then checked nothing)
 #   race1 the same two cases under racecheck (shared-memory hazards between a block's threads)
 #   ep1   the two axis_size=1 cases of tests/gpu/test_cuda_backend.py (fp8 + source; bf16 +
 #         expert with padding), and two world-1 cases of fused kernels against the halves (one
-#         chunk of 1200 slots, fp8 + expert; more chunks than SMs, bf16 + source): every
-#         kernel, no peer
+#         chunk of 1200 slots, fp8 + expert; more chunks than SMs, bf16 + source with expert
+#         padding 16): every kernel, no peer
 #   ep2   one axis_size=2 case (split calls, expert combine, bf16 partials): writes to the peer
 #         GPU. If the sanitizer runs the two devices' kernels one after the other, the first
 #         exchange ends in TIMEOUT (the test fails) and the summary still counts memory errors.
 set -u -o pipefail
+list=0
+if [ "${1:-}" = --list ]; then
+  list=1
+  shift
+fi
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(ep1 ep2)
-logs=${OUT:-$PWD/gpu_logs}
-mkdir -p "$logs"
 
 # parity CASE: pytest node id of one case of the parity test in tests/gpu/test_cuda_backend.py,
 # on the NVLink path (the test's `path` fixture comes first in the id)
@@ -25,10 +31,31 @@ parity() {
   echo "tests/gpu/test_cuda_backend.py::test_cuda_on_poisoned_memory_matches_reference_and_xla[nvlink-$1]"
 }
 
-# world1 CASE: one case of the world-1 fused-against-halves test ([dispatch-reduce-sms-tokens])
+# world1 CASE: one case of the world-1 fused-against-halves test
+# ([dispatch-reduce-padding-sms-tokens])
 world1() {
   echo "tests/gpu/test_cuda_backend.py::test_world1_fused_kernels_equal_the_buffer_halves_for_any_chunking[$1]"
 }
+
+# nodes STEP: the node ids STEP runs, one a line
+nodes() {
+  case $1 in
+    ep1|race1)
+      parity axis_size=1,dispatch=fp8
+      parity axis_size=1,dispatch=bf16,combine_reduce=expert,expert_padding=16
+      world1 fp8-expert-1-1-300
+      world1 bf16-source-16-300-64 ;;
+    ep2) parity axis_size=2,dispatch=bf16,combine_reduce=expert,partial_dtype=bfloat16,split=True ;;
+    *) echo "unknown step $1 (steps: ep1 race1 ep2)" >&2; return 2 ;;
+  esac
+}
+
+if [ $list -eq 1 ]; then
+  for step in "${steps[@]}"; do nodes "$step" || exit 2; done
+  exit 0
+fi
+logs=${OUT:-$PWD/gpu_logs}
+mkdir -p "$logs"
 
 find_sanitizer() {
   local purelib candidate
@@ -85,16 +112,12 @@ check() {
 }
 
 for step in "${steps[@]}"; do
+  mapfile -t step_nodes < <(nodes "$step")
+  [ ${#step_nodes[@]} -gt 0 ] || exit 2  # nodes named an unknown step
   case $step in
-    ep1) check ep1 280 60 "$(parity axis_size=1,dispatch=fp8)" \
-           "$(parity axis_size=1,dispatch=bf16,combine_reduce=expert,expert_padding=16)" \
-           "$(world1 fp8-expert-1-300)" "$(world1 bf16-source-300-64)" ;;
-    race1) TOOL=racecheck check race1 280 60 "$(parity axis_size=1,dispatch=fp8)" \
-           "$(parity axis_size=1,dispatch=bf16,combine_reduce=expert,expert_padding=16)" \
-           "$(world1 fp8-expert-1-300)" "$(world1 bf16-source-300-64)" ;;
-    ep2) check ep2 260 60 \
-           "$(parity axis_size=2,dispatch=bf16,combine_reduce=expert,partial_dtype=bfloat16,split=True)" ;;
-    *) echo "unknown step $step (steps: ep1 race1 ep2)"; exit 2 ;;
+    ep1) check ep1 280 60 "${step_nodes[@]}" ;;
+    race1) TOOL=racecheck check race1 280 60 "${step_nodes[@]}" ;;
+    ep2) check ep2 260 60 "${step_nodes[@]}" ;;
   esac
 done
 exit $failed
