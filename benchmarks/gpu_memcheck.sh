@@ -8,7 +8,7 @@
 #   benchmarks/gpu_memcheck.sh --list [STEP...]   the pytest node ids of each step, one a line,
 #         nothing run (tests/test_gpu_scripts.py checks that every one exists: the ids went
 #         stale twice when a test's parameters changed, and the step then checked nothing)
-#   race1 the same two cases under racecheck (shared-memory hazards between a block's threads)
+#   race1 the cases of ep1 under racecheck (shared-memory hazards between a block's threads)
 #   ep1   the two axis_size=1 cases of tests/gpu/test_cuda_backend.py (fp8 + source; bf16 +
 #         expert with padding), and two world-1 cases of fused kernels against the halves (one
 #         chunk of 1200 slots, fp8 + expert; more chunks than SMs, bf16 + source with expert
