@@ -29,7 +29,9 @@ rounds=$1 command=$2
 # Named commands (COMMAND as one word), each the world-1 tests first (a variant that fails them
 # is not timed), then:
 #   decode   profile_kernels.py --ep 1 --tokens 128 --stages, fp8 and bf16 dispatch (expert
-#            mode, bf16 partials): each kernel's time and each block's stage clocks
+#            mode, bf16 partials): each kernel's time and each block's stage clocks; then the
+#            fused decode step of the cuda backend (bench_dispatch_combine.py, command buffers
+#            forced, as issue 12's step target is measured)
 #   prefill  the fp8 quantization tests (non-finite tokens through the cuda dispatch too) and
 #            the one-GPU all-reduce tests, profile_kernels.py --ep 1 --tokens 4096 fused and
 #            split (fp8), and bench_all_reduce.py --ep 1 (bf16, chained calls)
@@ -42,11 +44,16 @@ tests_fp8+=' 2>&1 | tail -2'
 profile='python3 benchmarks/profile_kernels.py --ep 1 --reduce expert --partial-dtype bf16'
 ar_bench='python3 benchmarks/bench_all_reduce.py --ep 1 --modes chain --reps 3'
 ar_bench+=' --out $AB_LOGS/allreduce-$AB_NAME-$AB_ROUND 2>&1 | tail -25'
+step='XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL'
+step+=' --xla_gpu_graph_min_graph_size=1" python3 benchmarks/bench_dispatch_combine.py --ep 1'
+step+=' --backends cuda --peers none --ops fused --reduce expert --partial-dtype bf16'
+step+=' --phases decode=128 --reps 3 --budget-s 3 --git-commit "${GIT_COMMIT:-unknown}+$AB_NAME"'
+step+=' --out $AB_LOGS/step-$AB_NAME-$AB_ROUND 2>&1 | grep -E "^  cuda fused"'
 case $command in
   decode)
     command="$tests_w1; for d in fp8 bf16; do $profile --tokens 128 --stages"
-    command+=' --dispatch-dtype $d 2>&1 | sed "s/^/$d /"; done'
-    : "${AB_SHOW:=passed|failed|busy span|us x|^(fp8|bf16) +[a-z_]+ +[0-9-]}"
+    command+=' --dispatch-dtype $d 2>&1 | sed "s/^/$d /"; done; '"$step"
+    : "${AB_SHOW:=passed|failed|busy span|us x|^(fp8|bf16) +[a-z_]+ +[0-9-]|fused}"
     : "${AB_SHOW_LINES:=40}" ;;
   prefill)
     command="$tests_w1; $tests_fp8; $tests_ar; for s in '' --split; do $profile --tokens 4096"
