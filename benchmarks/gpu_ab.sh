@@ -35,8 +35,10 @@ rounds=$1 command=$2
 #   prefill  the fp8 quantization tests (non-finite tokens through the cuda dispatch too) and
 #            the one-GPU all-reduce tests, profile_kernels.py --ep 1 --tokens 4096 fused and
 #            split (fp8), and bench_all_reduce.py --ep 1 (bf16, chained calls)
+# (pytest 9 refuses '=' in a -k expression: the axis_size=2 cases are collected and skip on
+# one GPU.)
 tests_w1='python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py'
-tests_w1+=' -k "world1 or axis_size=1" 2>&1 | tail -2'
+tests_w1+=' -k "world1 or axis_size" 2>&1 | tail -2'
 tests_ar='python3 -m pytest -q -p no:cacheprovider tests/gpu/test_all_reduce_gpu.py 2>&1 | tail -2'
 tests_fp8='python3 -m pytest -q -p no:cacheprovider tests/test_parity.py -k "cuda and non_finite"'
 tests_fp8+=' 2>&1 | tail -2; python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py'
