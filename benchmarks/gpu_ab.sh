@@ -30,8 +30,9 @@ rounds=$1 command=$2
 # is not timed), then:
 #   decode   profile_kernels.py --ep 1 --tokens 128 --stages, fp8 and bf16 dispatch (expert
 #            mode, bf16 partials): each kernel's time and each block's stage clocks; then the
-#            fused decode step of the cuda backend (bench_dispatch_combine.py, command buffers
-#            forced, as issue 12's step target is measured)
+#            fused decode step of the cuda backend (bench_dispatch_combine.py), command buffers
+#            forced (as issue 12's step target is measured), then XLA's default (lines
+#            "default ...": each custom call its own launch on the stream)
 #   prefill  the fp8 quantization tests (non-finite tokens through the cuda dispatch too) and
 #            the one-GPU all-reduce tests, profile_kernels.py --ep 1 --tokens 4096 fused and
 #            split (fp8), and bench_all_reduce.py --ep 1 (bf16, chained calls)
@@ -46,11 +47,14 @@ tests_fp8+=' 2>&1 | tail -2'
 profile='python3 benchmarks/profile_kernels.py --ep 1 --reduce expert --partial-dtype bf16'
 ar_bench='python3 benchmarks/bench_all_reduce.py --ep 1 --modes chain --reps 3'
 ar_bench+=' --out $AB_LOGS/allreduce-$AB_NAME-$AB_ROUND 2>&1 | tail -25'
+bench_step='python3 benchmarks/bench_dispatch_combine.py --ep 1 --backends cuda --peers none'
+bench_step+=' --ops fused --reduce expert --partial-dtype bf16 --phases decode=128 --reps 3'
+bench_step+=' --budget-s 3 --git-commit "${GIT_COMMIT:-unknown}+$AB_NAME"'
 step='XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL'
-step+=' --xla_gpu_graph_min_graph_size=1" python3 benchmarks/bench_dispatch_combine.py --ep 1'
-step+=' --backends cuda --peers none --ops fused --reduce expert --partial-dtype bf16'
-step+=' --phases decode=128 --reps 3 --budget-s 3 --git-commit "${GIT_COMMIT:-unknown}+$AB_NAME"'
-step+=' --out $AB_LOGS/step-$AB_NAME-$AB_ROUND 2>&1 | grep -E "^  cuda fused"'
+step+=' --xla_gpu_graph_min_graph_size=1" '"$bench_step"
+step+=' --out $AB_LOGS/step-$AB_NAME-$AB_ROUND 2>&1 | grep -E "^  cuda fused"; '"$bench_step"
+step+=' --out $AB_LOGS/step-default-$AB_NAME-$AB_ROUND 2>&1 | grep -E "^  cuda fused"'
+step+=' | sed "s/^/default /"'
 case $command in
   decode)
     command="$tests_w1; for d in fp8 bf16; do $profile --tokens 128 --stages"
