@@ -36,6 +36,10 @@ rounds=$1 command=$2
 #   prefill  the fp8 quantization tests (non-finite tokens through the cuda dispatch too) and
 #            the one-GPU all-reduce tests, profile_kernels.py --ep 1 --tokens 4096 fused and
 #            split (fp8), and bench_all_reduce.py --ep 1 (bf16, chained calls)
+#   dispatch the fp8 quantization tests and, in every variant but base, the NVLink jobs of
+#            several processes on one GPU (R = 2 and 4 through CUDA IPC: the buffer path's
+#            send); then profile_kernels.py --ep 1 --stages at 4096 tokens (fp8) and at 128
+#            (fp8, bf16): a change to the dispatch's row stores, at both sizes
 # (pytest 9 refuses '=' in a -k expression: the axis_size=2 cases are collected and skip on
 # one GPU.)
 tests_w1='python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py'
@@ -55,7 +59,16 @@ step+=' --xla_gpu_graph_min_graph_size=1" '"$bench_step"
 step+=' --out $AB_LOGS/step-$AB_NAME-$AB_ROUND 2>&1 | grep -E "^  cuda fused"; '"$bench_step"
 step+=' --out $AB_LOGS/step-default-$AB_NAME-$AB_ROUND 2>&1 | grep -E "^  cuda fused"'
 step+=' | sed "s/^/default /"'
+tests_mp1='python3 -m pytest -q -p no:cacheprovider tests/gpu/test_multiprocess.py'
+tests_mp1+=' -k "test_ranks_in_separate_processes and 1GPU" 2>&1 | tail -2'
 case $command in
+  dispatch)
+    command="$tests_w1; $tests_fp8; "'[ "$AB_NAME" = base ] || { '"$tests_mp1; }; "
+    command+="$profile --tokens 4096 --stages --dispatch-dtype fp8 2>&1 | sed 's/^/fp8 /'; "
+    command+="for d in fp8 bf16; do $profile --tokens 128 --stages"
+    command+=' --dispatch-dtype $d 2>&1 | sed "s/^/$d /"; done'
+    : "${AB_SHOW:=passed|failed|busy span|us x|^(fp8|bf16) +[a-z_]+ +[0-9-]}"
+    : "${AB_SHOW_LINES:=60}" ;;
   decode)
     command="$tests_w1; for d in fp8 bf16; do $profile --tokens 128 --stages"
     command+=' --dispatch-dtype $d 2>&1 | sed "s/^/$d /"; done; '"$step"
