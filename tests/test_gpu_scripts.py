@@ -39,11 +39,11 @@ def test_memcheck_refuses_an_unknown_step():
     assert "unknown step ep3" in result.stderr
 
 
-PATCHES = sorted((REPO / "benchmarks" / "ab").glob("*.patch"))
+PATCHES = sorted((REPO / "benchmarks" / "ab").rglob("*.patch"))  # AB_PATCHES folders too
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git apply")
-@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.parent.name + "/" + p.stem)
 def test_the_waiting_variants_apply_to_this_tree(patch):
     # gpu_ab.sh applies each to a copy of the checkout; one that no longer applies would fail
     # the GPU call that measures it.
