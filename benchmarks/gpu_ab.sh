@@ -59,19 +59,19 @@ step+=' --xla_gpu_graph_min_graph_size=1" '"$bench_step"
 step+=' --out $AB_LOGS/step-$AB_NAME-$AB_ROUND 2>&1 | grep -E "^  cuda fused"; '"$bench_step"
 step+=' --out $AB_LOGS/step-default-$AB_NAME-$AB_ROUND 2>&1 | grep -E "^  cuda fused"'
 step+=' | sed "s/^/default /"'
+profile_decode="for d in fp8 bf16; do $profile --tokens 128 --stages"
+profile_decode+=' --dispatch-dtype $d 2>&1 | sed "s/^/$d /"; done'
 tests_mp1='python3 -m pytest -q -p no:cacheprovider tests/gpu/test_multiprocess.py'
 tests_mp1+=' -k "test_ranks_in_separate_processes and 1GPU" 2>&1 | tail -2'
 case $command in
   dispatch)
     command="$tests_w1; $tests_fp8; "'[ "$AB_NAME" = base ] || { '"$tests_mp1; }; "
     command+="$profile --tokens 4096 --stages --dispatch-dtype fp8 2>&1 | sed 's/^/fp8 /'; "
-    command+="for d in fp8 bf16; do $profile --tokens 128 --stages"
-    command+=' --dispatch-dtype $d 2>&1 | sed "s/^/$d /"; done'
+    command+="$profile_decode"
     : "${AB_SHOW:=passed|failed|busy span|us x|^(fp8|bf16) +[a-z_]+ +[0-9-]}"
     : "${AB_SHOW_LINES:=60}" ;;
   decode)
-    command="$tests_w1; for d in fp8 bf16; do $profile --tokens 128 --stages"
-    command+=' --dispatch-dtype $d 2>&1 | sed "s/^/$d /"; done; '"$step"
+    command="$tests_w1; $profile_decode; $step"
     : "${AB_SHOW:=passed|failed|busy span|us x|^(fp8|bf16) +[a-z_]+ +[0-9-]|fused}"
     : "${AB_SHOW_LINES:=40}" ;;
   prefill)

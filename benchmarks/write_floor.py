@@ -115,7 +115,7 @@ def main() -> int:
       "device_kind": torch.cuda.get_device_name(),
       "torch_version": torch.__version__,
       "config": {"tokens": T, "hidden": H, "topk": K, "experts": args.experts,
-                 "reps": args.reps, "row_bytes": H},
+                 "reps": args.reps},
       "results": results,
   }
   write_json(args.out.with_suffix(".json"), payload)
