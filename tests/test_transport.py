@@ -18,6 +18,7 @@ import pytest
 import transport_worker as worker
 import jax_moe as jm
 from jax_moe import transport
+from support.threads import started_since, still_running, threads
 
 pytestmark = pytest.mark.skipif(
     not transport.available(),
@@ -193,22 +194,19 @@ def engine(rank=0, provider="shm", **kwargs):
                                     timeout_s=2.0, **kwargs)
 
 
-def thread_count():
-    return len(os.listdir("/proc/self/task"))
-
-
 @pytest.mark.parametrize("provider", list(PROVIDERS))
 def test_close_leaves_no_threads_or_registrations(provider):
-    before = thread_count()
+    before = threads()
     e = engine(provider=provider)
-    assert thread_count() > before  # the progress thread
+    started = started_since(before)
+    assert started  # the progress thread
     regions = [e.register(np.zeros(n, np.uint8)) for n in (1, 100, 4096)]
     assert e.open_regions() == 1 + len(regions)  # plus the signal region
     e.deregister(regions[0])
     assert e.open_regions() == len(regions)
     e.close()
     assert e.open_regions() == 0
-    assert thread_count() == before
+    assert not still_running(started)
     e.close()  # idempotent
     with pytest.raises(transport.TransportError, match="closed"):
         e.register(np.zeros(8, np.uint8))

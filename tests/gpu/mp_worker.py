@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # reference, checks, moe_runner
 
 from support.routing_cases import SCENARIOS, routing  # noqa: E402  (numpy only: jax is not imported yet)
+from support.threads import started_since, still_running, threads  # noqa: E402
 from worker_env import configure_environment, devices_per_process  # noqa: E402  (no jax either)
 
 INIT_TIMEOUT_S = 60
@@ -281,25 +282,21 @@ def run_job(args):
     return errors
 
 
-def thread_count():
-    return len(os.listdir("/proc/self/task"))
-
-
 def close_leaves_no_threads(setup, mesh, spans_hosts):
     """A host communicator over processes of several hosts starts threads (one TransferEngine
     progress thread per local rank); a cuda one through host proxies a proxy thread per GPU
     too; over processes of one host, a host communicator starts none (shared memory).
-    close() must end every one. Measured after the job ran, so the threads JAX starts lazily
-    exist already."""
-    before = thread_count()
+    close() must end every one it started (support.threads says why by id)."""
+    before = threads()
     comm = jm.Communicator(setup.config(), mesh, axis=AXIS, backend=setup.backend)
-    opened = thread_count()
+    started = started_since(before)
     comm.close()
-    closed = thread_count()
+    left = still_running(started)
     starts = spans_hosts or setup.backend == "cuda"
-    if (opened > before) != starts or closed != before:
-        return [f"threads: {before} before a {setup.backend} communicator, {opened} with it, {closed} "
-                f"after close() (must be {'more' if starts else 'the same'}, then the same as before)"]
+    if bool(started) != starts or left:
+        return [f"threads: a {setup.backend} communicator started {sorted(started.values())} "
+                f"(must be {'some' if starts else 'none'}); {sorted(left.values())} still run "
+                f"after close() (must be none)"]
     return []
 
 
