@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <string>
 
+#include "ffi/thread_names.h"
 #include "xla/ffi/api/c_api.h"
 
 #ifdef JAX_MOE_WITH_LIBFABRIC
@@ -51,6 +52,10 @@ nb::dict build_info() {
   info["libfabric_version"] = nb::none();
   info["libfabric_header_version"] = nb::none();
 #endif
+  nb::dict thread_names;
+  thread_names["transfer_engine"] = nb::str(kTransferEngineThreadName);
+  thread_names["host_proxy"] = nb::str(kHostProxyThreadName);
+  info["thread_names"] = thread_names;
   return info;
 }
 

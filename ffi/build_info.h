@@ -6,7 +6,8 @@
 namespace jax_moe {
 
 // Keys: version, native, cuda, cuda_version, cuda_archs, libfabric, libfabric_version,
-// libfabric_header_version, jax_version (whose FFI headers were compiled in), xla_ffi_api.
+// libfabric_header_version, jax_version (whose FFI headers were compiled in), xla_ffi_api,
+// thread_names (ffi/thread_names.h).
 nanobind::dict build_info();
 
 }  // namespace jax_moe

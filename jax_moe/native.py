@@ -42,7 +42,9 @@ def build_info() -> dict:
   Keys: version, native, native_error (why it did not load, else None), cuda, cuda_version,
   cuda_archs, cutlass_version (the CUTLASS whose headers built the fp8 grouped GEMM, None when
   the build had none), libfabric, libfabric_version, libfabric_header_version, jax_version (the jax
-  whose FFI headers were compiled in; None without the native module), xla_ffi_api.
+  whose FFI headers were compiled in; None without the native module), xla_ffi_api,
+  thread_names ({role: name} of the threads the native layer starts: "transfer_engine", one
+  progress thread per engine; "host_proxy", one per proxied GPU; empty without the module).
   """
   module, error = _load()
   if module is None:
@@ -59,6 +61,7 @@ def build_info() -> dict:
       "libfabric_header_version": None,
       "jax_version": None,
       "xla_ffi_api": None,
+      "thread_names": {},
     }
   return {**module.build_info(), "native_error": None}
 

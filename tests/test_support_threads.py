@@ -1,33 +1,49 @@
-"""support.threads, which the close() checks rely on, tells threads apart by id."""
+"""support.threads, which the close() checks rely on: jax_moe's threads are found by name."""
 
+import ctypes
 import threading
 
-from support.threads import started_since, still_running, threads
+from support.threads import native_started_since, native_thread_names, still_running, threads
+
+_libc = ctypes.CDLL(None)
+_libc.pthread_self.restype = ctypes.c_ulong
+_libc.pthread_setname_np.argtypes = [ctypes.c_ulong, ctypes.c_char_p]
 
 
-def test_a_started_thread_is_seen_until_it_is_joined():
+def start_thread(name=None):
+    """A thread that waits on the returned event, named `name` by the system if given."""
+    stop, named = threading.Event(), threading.Event()
+
+    def body():
+        if name:
+            _libc.pthread_setname_np(_libc.pthread_self(), name.encode())
+        named.set()
+        stop.wait()
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    named.wait(5.0)
+    return thread, stop
+
+
+def test_the_native_layer_names_its_threads():
+    assert native_thread_names() == {"jaxmoe-fabric", "jaxmoe-proxy"}
+
+
+def test_a_native_thread_is_seen_until_it_is_joined():
     before = threads()
-    stop = threading.Event()
-    worker = threading.Thread(target=stop.wait, daemon=True)
-    worker.start()
+    ours, stop_ours = start_thread("jaxmoe-fabric")
+    other, stop_other = start_thread()  # not jax_moe's: gRPC's or XLA's, say
     try:
-        started = started_since(before)
-        assert worker.native_id in started
-        assert still_running(started, wait_s=0.1) == started  # it still waits on the event
+        started = native_started_since(before)
+        assert set(started) == {ours.native_id}
+        assert still_running(started, wait_s=0.1) == started  # it still waits on its event
     finally:
-        stop.set()
-        worker.join()
-    assert still_running(started, wait_s=1.0) == {}
-
-
-def test_a_thread_started_by_someone_else_is_not_counted_as_left():
-    started = started_since(threads())  # none of ours
-    stop = threading.Event()
-    other = threading.Thread(target=stop.wait, daemon=True)
-    other.start()
+        stop_ours.set()
+        ours.join()
     try:
-        assert still_running(started, wait_s=0.1) == {}
+        assert still_running(started, wait_s=1.0) == {}  # the other thread still runs
         assert other.native_id in threads()
     finally:
-        stop.set()
+        stop_other.set()
         other.join()

@@ -18,7 +18,7 @@ import pytest
 import transport_worker as worker
 import jax_moe as jm
 from jax_moe import transport
-from support.threads import started_since, still_running, threads
+from support.threads import native_started_since, still_running, threads
 
 pytestmark = pytest.mark.skipif(
     not transport.available(),
@@ -198,7 +198,7 @@ def engine(rank=0, provider="shm", **kwargs):
 def test_close_leaves_no_threads_or_registrations(provider):
     before = threads()
     e = engine(provider=provider)
-    started = started_since(before)
+    started = native_started_since(before)
     assert started  # the progress thread
     regions = [e.register(np.zeros(n, np.uint8)) for n in (1, 100, 4096)]
     assert e.open_regions() == 1 + len(regions)  # plus the signal region

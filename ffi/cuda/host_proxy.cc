@@ -8,6 +8,7 @@
 #include "ffi/cuda/driver.h"
 #include "ffi/host/exchange.h"
 #include "ffi/host/state.h"
+#include "ffi/thread_names.h"
 
 namespace jax_moe {
 namespace {
@@ -271,6 +272,7 @@ void CudaProxy::start(host::HostRankState* host_state, char* device_buffer,
   }
   host_ = host_state;
   thread_ = std::thread([this] { run(); });
+  name_thread(thread_, kHostProxyThreadName);
 }
 
 bool CudaProxy::timed_out() const { return host_ != nullptr && host_->timed_out.load(); }

@@ -10,6 +10,7 @@
 #include <numeric>
 #include <random>
 
+#include "ffi/thread_names.h"
 #include "ffi/transport/errors.h"
 #include "ffi/transport/immediate.h"
 
@@ -132,6 +133,7 @@ TransferEngine::TransferEngine(const Config& config) : config_(config) {
     throw;
   }
   progress_thread_ = std::thread([this] { progress_loop(); });
+  name_thread(progress_thread_, kTransferEngineThreadName);
 }
 
 TransferEngine::~TransferEngine() {

@@ -35,7 +35,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # reference, checks, moe_runner
 
 from support.routing_cases import SCENARIOS, routing  # noqa: E402  (numpy only: jax is not imported yet)
-from support.threads import started_since, still_running, threads  # noqa: E402
 from worker_env import configure_environment, devices_per_process  # noqa: E402  (no jax either)
 
 INIT_TIMEOUT_S = 60
@@ -104,6 +103,7 @@ from support.checks import (_scaled_y, assert_bitwise_equal, assert_combine_with
                     assert_dispatch_matches, combine_bound)
 from support.moe_runner import (AXIS, DISPATCH_FIELDS, RunResult, Runner, Setup,  # noqa: E402
                         make_inputs)
+from support.threads import native_started_since, still_running, threads  # noqa: E402
 from jax_moe import settings  # noqa: E402
 from jax_moe.backends import cuda_proxy  # noqa: E402
 from jax_moe.sharding import shard_map  # noqa: E402
@@ -286,10 +286,10 @@ def close_leaves_no_threads(setup, mesh, spans_hosts):
     """A host communicator over processes of several hosts starts threads (one TransferEngine
     progress thread per local rank); a cuda one through host proxies a proxy thread per GPU
     too; over processes of one host, a host communicator starts none (shared memory).
-    close() must end every one it started (support.threads says why by id)."""
+    close() must end every one it started (support.threads: found by name, not counted)."""
     before = threads()
     comm = jm.Communicator(setup.config(), mesh, axis=AXIS, backend=setup.backend)
-    started = started_since(before)
+    started = native_started_since(before)
     comm.close()
     left = still_running(started)
     starts = spans_hosts or setup.backend == "cuda"

@@ -1,12 +1,22 @@
-"""Which threads an object started and whether closing it ended them (Linux /proc).
+"""The threads jax_moe's native layer started, and whether closing their owner ended them.
 
-Threads are told apart by id, not counted: JAX and XLA start threads of their own at any
-time (a CI run once saw one appear while a communicator closed), and those are not the
-object's. A thread that was joined may take a moment to leave /proc, hence the short wait."""
+jax_moe names its threads (ffi/thread_names.h, `build_info()["thread_names"]`), and these
+helpers look only at those: gRPC (under jax.distributed) and XLA start and reap threads of
+their own at any time, so counting the process's threads could not say whether close() ended
+ours (a CI run once saw 39 threads before a communicator, 44 with it, 40 after its close(),
+one of them not jax_moe's). A joined thread may take a moment to leave /proc, hence the wait.
+"""
 
 import os
 import time
 from pathlib import Path
+
+import jax_moe as jm
+
+
+def native_thread_names():
+    """The names jax_moe's native threads take ({role: name})."""
+    return set(jm.build_info()["thread_names"].values())
 
 
 def threads():
@@ -20,9 +30,10 @@ def threads():
     return found
 
 
-def started_since(before):
-    """{id: name} of the threads that run now and did not in `before` (a threads() result)."""
-    return {tid: name for tid, name in threads().items() if tid not in before}
+def native_started_since(before):
+    """{id: name} of jax_moe's threads that run now and did not in `before` (threads())."""
+    names = native_thread_names()
+    return {tid: name for tid, name in threads().items() if tid not in before and name in names}
 
 
 def still_running(started, wait_s=5.0):
