@@ -22,15 +22,43 @@
 namespace jax_moe {
 namespace {
 
-// Where one warp sends a token: its slot in this source's region on each rank that holds one
-// of its slots, in a per-warp table in shared memory (count entries).
-struct TokenDests {
-  char* const* slot;
+// A warp's destinations (the ranks or rows a token goes to; every lane holds the same): the
+// first kHeld in registers, the rest read from the warp's table in shared memory when used.
+// A store to every held destination is then its address and the store. Reading the table at
+// each store (a dependent shared-memory load, the address arithmetic and a branch per
+// destination, in a loop not unrolled) made addressing most of the world-1 prefill
+// dispatch's instructions (its SASS, session 24).
+template <typename T, int kHeld>
+struct HeldDests {
+  T held[kHeld];
+  const T* table;
   int count;
+  __device__ HeldDests(const T* table_, int count_) : table(table_), count(count_) {
+#pragma unroll
+    for (int i = 0; i < kHeld; ++i) held[i] = i < count ? table[i] : T{};
+  }
+  template <typename F>
+  __device__ void each(F f) const {
+#pragma unroll
+    for (int i = 0; i < kHeld; ++i)
+      if (i < count) f(held[i]);
+#pragma unroll 1
+    for (int i = kHeld; i < count; ++i) f(table[i]);
+  }
 };
 
-__device__ inline TokenDests token_dests(const CommView& v, const NvlinkLayout& lay,
-                                         uint64_t seq, uint64_t dest_mask, int t) {
+// Destinations held: every one of a top-8 token's, except in the world-1 kernels whose
+// quantizing loop needs more registers (block sizes of 512 and 2048: kCPL 2 and 8). There 8
+// held took the kernel past 128 registers, into a stack frame; 6 fit (ptxas -v, session 24).
+constexpr int kHeldDests = 8;
+template <int kCPL>
+constexpr int kHeldRows = kCPL == 2 || kCPL == 8 ? 6 : kHeldDests;
+
+// Where one warp sends a token: its slot in this source's region on each rank that holds one
+// of its slots (a per-warp table in shared memory, held as HeldDests).
+__device__ inline HeldDests<char*, kHeldDests> token_dests(const CommView& v,
+                                                          const NvlinkLayout& lay, uint64_t seq,
+                                                          uint64_t dest_mask, int t) {
   static __shared__ char* warp_slots[kExchangeWarps][32];  // <= min(K, R) <= 32 ranks
   const MoeDims& d = v.dims;
   const int lane = lane_id();
@@ -44,53 +72,51 @@ __device__ inline TokenDests token_dests(const CommView& v, const NvlinkLayout& 
                                      (size_t(d.rank) * d.max_tokens + t) * token_bytes(d);
   }
   __syncwarp();
-  return TokenDests{warp_slots[block_warp()], __popcll(dest_mask)};
+  return HeldDests<char*, kHeldDests>(warp_slots[block_warp()], __popcll(dest_mask));
 }
 
 // Where the send writes one token's pieces: a sink takes 16-byte vectors (vector), 8-byte
-// groups of fp8 codes (codes, index in 8-byte units) and f32 scales (scale) of the row.
+// groups of fp8 codes (codes, index in 8-byte units) and runs of f32 scales (scale_run: lanes
+// [0, n) of the warp give the scales of blocks [b, b + n), so a row's scales go out as whole
+// sectors, not one float per store).
 // SlotSink writes the token's slot on every destination rank (codes, then the scales from
 // byte `scales_at`; the tokens region of ffi/protocol/nvlink_layout.h).
 struct SlotSink {
-  TokenDests dests;
+  HeldDests<char*, kHeldDests> dests;
   size_t scales_at;
   __device__ void vector(int c, uint4 value) const {
-#pragma unroll 1
-    for (int i = 0; i < dests.count; ++i) reinterpret_cast<uint4*>(dests.slot[i])[c] = value;
+    dests.each([&](char* slot) { reinterpret_cast<uint4*>(slot)[c] = value; });
   }
   __device__ void codes(int c, uint2 value) const {
-#pragma unroll 1
-    for (int i = 0; i < dests.count; ++i) reinterpret_cast<uint2*>(dests.slot[i])[c] = value;
+    dests.each([&](char* slot) { reinterpret_cast<uint2*>(slot)[c] = value; });
   }
-  __device__ void scale(int b, float value) const {
-#pragma unroll 1
-    for (int i = 0; i < dests.count; ++i)
-      reinterpret_cast<float*>(dests.slot[i] + scales_at)[b] = value;
+  __device__ void scale_run(int b, int n, float value) const {
+    if (lane_id() >= n) return;
+    dests.each(
+        [&](char* slot) { reinterpret_cast<float*>(slot + scales_at)[b + lane_id()] = value; });
   }
 };
 
-// RowSink writes rows of the dispatched output directly (the world-1 kernel): x [C][H] (fp8
-// codes or bf16, `row_vectors` 16-byte vectors a row), scales [C][nb]; `rows` is a per-warp
-// table in shared memory of the `count` rows the token goes to.
+// RowSink writes rows of the dispatched output directly (the world-1 kernel): x [C][row_bytes]
+// (fp8 codes or bf16), scales [C][nb]; `rows` are the rows the token goes to.
+template <int kHeld>
 struct RowSink {
-  uint4* x;
+  char* x;
   float* scales;
-  const int32_t* rows;
-  int count;
-  int row_vectors;
+  HeldDests<uint32_t, kHeld> rows;
+  uint32_t row_bytes;
   int nb;
+  // Row r's byte c of x: the 32 x 32 -> 64-bit multiply-add a held row takes per store.
+  __device__ char* at(uint32_t r, size_t c) const { return x + c + size_t(r) * row_bytes; }
   __device__ void vector(int c, uint4 value) const {
-#pragma unroll 1
-    for (int i = 0; i < count; ++i) x[size_t(rows[i]) * row_vectors + c] = value;
+    rows.each([&](uint32_t r) { *reinterpret_cast<uint4*>(at(r, size_t(c) * 16)) = value; });
   }
   __device__ void codes(int c, uint2 value) const {
-#pragma unroll 1
-    for (int i = 0; i < count; ++i)
-      reinterpret_cast<uint2*>(x)[size_t(rows[i]) * row_vectors * 2 + c] = value;
+    rows.each([&](uint32_t r) { *reinterpret_cast<uint2*>(at(r, size_t(c) * 8)) = value; });
   }
-  __device__ void scale(int b, float value) const {
-#pragma unroll 1
-    for (int i = 0; i < count; ++i) scales[size_t(rows[i]) * nb + b] = value;
+  __device__ void scale_run(int b, int n, float value) const {
+    if (lane_id() >= n) return;
+    rows.each([&](uint32_t r) { scales[size_t(r) * nb + b + lane_id()] = value; });
   }
 };
 
@@ -269,6 +295,7 @@ __device__ void send_quantized(const MoeDims& d, const uint4* row, const Sink& s
     if constexpr (!kStaged) copy_async_wait<kStages - 1>();
     const uint4* stage = ring + (batch % kStages) * kVectors * 32 + lane;
     const int b0 = block_begin + batch * batch_blocks;
+    float run = 0.f;  // lane i: the scale of block i of the current run
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
       if (b0 + s * blocks_per_step >= block_end) break;  // warp-uniform
@@ -285,13 +312,24 @@ __device__ void send_quantized(const MoeDims& d, const uint4* row, const Sink& s
         }
       }
       const BlockQuant q = block_quant(pair, lanes_per_block);  // the same in the block's lanes
+      // The step's blocks are lanes [at, at + blocks_per_step) of the scale run: lane `at + g`
+      // takes block g's scale from the block's first lane. A run ends at 32 blocks, at the
+      // batch's end, or at the part's.
+      const int at = (s * blocks_per_step) & 31, g = lane - at;
+      const float scale =
+          __shfl_sync(kFullMask, q.scale, (g & (blocks_per_step - 1)) * lanes_per_block);
+      if (g >= 0 && g < blocks_per_step) run = scale;
+      if (at + blocks_per_step == 32 || s == kSteps - 1 ||
+          b0 + (s + 1) * blocks_per_step >= block_end) {
+        const int first = b0 + s * blocks_per_step - at;
+        sink.scale_run(first, min(at + blocks_per_step, block_end - first), run);
+      }
       if (!active) continue;
 #pragma unroll
       for (int c = 0; c < CPL; ++c) {
         const uint2 codes = quantize8_e4m3(values[c], q);
         sink.codes(b * chunks_per_block + sub + c * lanes_per_block, codes);
       }
-      if (sub == 0) sink.scale(b, q.scale);
     }
   }
   if constexpr (!kStaged) copy_async_wait<0>();  // the ring is free for the warp's next task
@@ -305,7 +343,10 @@ __device__ void send_as_is(const uint4* row, int chunk_begin, int chunk_end,
                            const Sink& sink) {
   warp_copy(chunk_begin, chunk_end, [&](int c) { return row[c]; },
             [&](int c, uint4 value) { sink.vector(c, value); });
-  for (int b = scale_begin + lane_id(); b < scale_end; b += 32) sink.scale(b, scales[b]);
+  for (int b = scale_begin; b < scale_end; b += 32) {
+    const int n = min(32, scale_end - b);
+    sink.scale_run(b, n, lane_id() < n ? scales[b + lane_id()] : 0.f);
+  }
 }
 
 // Pieces a token row is cut into along hidden so a chunk of `tokens` tokens keeps every warp
@@ -584,10 +625,13 @@ __device__ __forceinline__ void for_each_id(const int32_t* ids, int from, int to
   const int quads = head < to ? (to - head) / 4 : 0;
   const int4* q = reinterpret_cast<const int4*>(ids + head);
   for (int i0 = threadIdx.x; i0 < quads; i0 += kLoads * blockDim.x) {
+    // A quad this thread does not load is zero, not left undefined (as in warp_copy: an
+    // undefined one keeps the last iteration's value, and under register pressure the
+    // compiler kept those on the stack).
     int4 w[kLoads];
 #pragma unroll
     for (int u = 0; u < kLoads; ++u)
-      if (i0 + u * blockDim.x < quads) w[u] = q[i0 + u * blockDim.x];
+      w[u] = i0 + u * blockDim.x < quads ? q[i0 + u * blockDim.x] : make_int4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < kLoads; ++u) {
       const int i = i0 + u * blockDim.x;
@@ -680,7 +724,7 @@ __device__ void place_local_chunk(const MoeDims& d, const void* x, const float* 
   __shared__ int32_t warp_rows[kExchangeWarps][32];
   const int tokens = max(0, t1 - t0);
   const int parts = row_parts(d, kInput, tokens);
-  const int row_vectors = d.fp8 ? d.hidden / 16 : d.hidden / 8;
+  const uint32_t row_bytes = d.fp8 ? d.hidden : 2 * d.hidden;  // x_out: fp8 codes or bf16
   for (int task = warp; task < tokens * parts; task += kExchangeWarps) {
     const int t = t0 + task / parts, part = task % parts;
     const int row = lane < K ? rows[(t - t0) * K + lane] : -1;
@@ -688,8 +732,10 @@ __device__ void place_local_chunk(const MoeDims& d, const void* x, const float* 
     if (!placed) continue;
     if (row >= 0) warp_rows[warp][__popc(placed & ((1u << lane) - 1))] = row;
     __syncwarp();
-    const RowSink sink{static_cast<uint4*>(x_out), scales_out, warp_rows[warp],
-                       __popc(placed), row_vectors, scale_blocks(d)};
+    const RowSink<kHeldRows<kCPL>> sink{
+        static_cast<char*>(x_out), scales_out,
+        {reinterpret_cast<const uint32_t*>(warp_rows[warp]), __popc(placed)}, row_bytes,
+        scale_blocks(d)};
     send_token_part<kInput, kCPL>(d, x, x_scales, t, part, parts, sink, warp_ring(smem));
     __syncwarp();
   }
@@ -706,22 +752,24 @@ __device__ void place_local_chunk(const MoeDims& d, const void* x, const float* 
 //   out, out_scales      quantizing input: fp8 codes [n][H], f32 scales [n][nb]
 // (bf16 and fp8 inputs are staged in the form their output rows take.)
 struct StagedLayout {
-  size_t in_scales;
-  size_t out;
-  size_t out_scales;
-  size_t total;
+  uint32_t in_scales;
+  uint32_t out;
+  uint32_t out_scales;
+  uint32_t total;  // at most UINT32_MAX: the chunk is staged only when it fits kSendRingBytes
 };
 
 JAX_MOE_HD inline StagedLayout staged_layout(const MoeDims& d, TokenInput input, int n) {
+  // Computed in 64 bits and kept in 32 (offsets into shared memory are small when the chunk
+  // fits, and four 32-bit offsets live in registers through the world-1 kernel's loop).
   const size_t H = d.hidden, nb = d.hidden / d.block_size;
-  StagedLayout s;
-  s.in_scales = n * H * (input == kInputFp8 ? 1 : 2);
-  const size_t in_end = align_up(s.in_scales + (input == kInputFp8 ? 4 * n * nb : 0), 16);
+  const size_t in_scales = n * H * (input == kInputFp8 ? 1 : 2);
+  const size_t in_end = align_up(in_scales + (input == kInputFp8 ? 4 * n * nb : 0), 16);
   const bool quantize = input == kInputBf16Quantize;
-  s.out = quantize ? in_end : 0;
-  s.out_scales = s.out + n * H;
-  s.total = quantize ? align_up(s.out_scales + 4 * n * nb, 16) : in_end;
-  return s;
+  const size_t out = quantize ? in_end : 0;
+  const size_t out_scales = out + n * H;
+  const size_t total = quantize ? align_up(out_scales + 4 * n * nb, 16) : in_end;
+  if (total > UINT32_MAX) return StagedLayout{0, 0, 0, UINT32_MAX};
+  return StagedLayout{uint32_t(in_scales), uint32_t(out), uint32_t(out_scales), uint32_t(total)};
 }
 
 // Starts the loads of tokens [t0, t0 + n)'s x rows (and fp8 scales) into `ring`; all
@@ -748,7 +796,9 @@ struct StagedSink {
   uint4* row;
   float* row_scales;
   __device__ void codes(int c, uint2 value) const { reinterpret_cast<uint2*>(row)[c] = value; }
-  __device__ void scale(int b, float value) const { row_scales[b] = value; }
+  __device__ void scale_run(int b, int n, float value) const {
+    if (lane_id() < n) row_scales[b + lane_id()] = value;
+  }
 };
 
 // Warps [1, kExchangeWarps) quantize the n staged bf16 rows into their fp8 form (warp 0 is
