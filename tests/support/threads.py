@@ -15,7 +15,7 @@ import jax_moe as jm
 
 
 def native_thread_names():
-    """The names jax_moe's native threads take ({role: name})."""
+    """The names jax_moe's native threads take (the values of build_info()["thread_names"])."""
     return set(jm.build_info()["thread_names"].values())
 
 
