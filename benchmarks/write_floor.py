@@ -11,6 +11,17 @@ nothing is computed?
   scatter    index_copy_ once per k: token t's row to the row of its slot (t, k), in the
              dispatch's own destination map (uniform routing, rows sorted by expert as
              docs/semantics.md lays them out): the dispatch's write pattern
+  gather16, scatter16  the same two with the rows viewed as 16-byte elements (complex128):
+             torch's index kernels move one element a thread, so the byte-wise cases measure
+             its per-byte indexing as much as the memory system; these move what a vector
+             store does
+  gather_seq16  gather16 with the rows token-major (row r from token r // K): the same bytes,
+             each source row read K times in a row and the output written in order; against
+             gather16 it says whether the random sources or torch's gather itself sets the time
+  rows_seq, rows_map, rows_map_bf16  (with triton) one program a token reads its row once and
+             stores it to its K rows with 16-byte vectors: token-major rows (in order), the
+             dispatch's destination map, and the map from bf16 tokens cast to fp8 on the way
+             (the dispatch's own bytes, 59 MB read and 235 MB written, less its 7 MB of scales)
 Each case is checked (a sample of rows against the source) before it is timed: CUDA events
 around one call (scatter: its K calls), median of --reps. Writes JSON and a PNG.
 
@@ -44,6 +55,32 @@ def slot_rows(tokens: int, topk: int, experts: int, gen: torch.Generator) -> tor
   return rows.view(tokens, topk)
 
 
+def triton_rows(num_warps: int, block: int):
+  """rows(src, out, rows): out[rows[t, k]] = src[t] (cast to out's dtype), one program a token,
+  its row loaded once, `block` elements a step over `num_warps` warps; None without triton."""
+  try:
+    import triton
+    import triton.language as tl
+  except ImportError:
+    return None
+
+  @triton.jit
+  def kernel(src, out, rows, H: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    for c in tl.static_range(0, H, BLOCK):
+      offs = c + tl.arange(0, BLOCK)
+      mask = offs < H
+      v = tl.load(src + t * H + offs, mask=mask).to(out.dtype.element_ty)
+      for k in tl.static_range(K):
+        r = tl.load(rows + t * K + k).to(tl.int64)
+        tl.store(out + r * H + offs, v, mask=mask)
+
+  def launch(src, out, rows):
+    T, H = src.shape
+    kernel[(T,)](src, out, rows, H=H, K=rows.shape[1], BLOCK=block, num_warps=num_warps)
+  return launch
+
+
 def time_us(fn, reps: int) -> list[float]:
   fn()
   torch.cuda.synchronize()
@@ -64,6 +101,9 @@ def main() -> int:
   p.add_argument("--topk", type=int, default=8)
   p.add_argument("--experts", type=int, default=256)
   p.add_argument("--reps", type=int, default=30)
+  p.add_argument("--triton-warps", type=int, default=8, help="warps a program (rows_* cases)")
+  p.add_argument("--triton-block", type=int, default=4096,
+                 help="elements a program moves a step (rows_* cases; a power of two)")
   p.add_argument("--git-commit", default=None, help="the code's commit (a copied tree)")
   p.add_argument("--out", type=Path, default=Path("benchmarks/results/write_floor"),
                  help="file stem: writes STEM.json and STEM.png")
@@ -86,6 +126,16 @@ def main() -> int:
     for k in range(K):
       out.index_copy_(0, rows_k[k], src)
 
+  if H % 16:
+    p.error(f"--hidden must be a multiple of 16 (the 16-byte cases), got {H}")
+  src16, out16 = src.view(torch.complex128), out.view(torch.complex128)
+
+  token_seq = torch.arange(T * K, device="cuda") // K
+
+  def scatter16():
+    for k in range(K):
+      out16.index_copy_(0, rows_k[k], src16)
+
   sample = torch.randint(0, T * K, (256,), device="cuda", generator=gen)
   checks = {  # name: (bytes moved, call, check after one call)
       "fill": (out.numel(), lambda: out.fill_(7), lambda: bool((out[sample] == 7).all())),
@@ -96,7 +146,32 @@ def main() -> int:
                  lambda: bool(torch.equal(out[sample], src[token_of_row[sample]]))),
       "scatter": (src.numel() + out.numel(), scatter,
                   lambda: bool(torch.equal(out[sample], src[token_of_row[sample]]))),
+      "gather16": (src.numel() + out.numel(),
+                   lambda: torch.index_select(src16, 0, token_of_row, out=out16),
+                   lambda: bool(torch.equal(out[sample], src[token_of_row[sample]]))),
+      "scatter16": (src.numel() + out.numel(), scatter16,
+                    lambda: bool(torch.equal(out[sample], src[token_of_row[sample]]))),
+      "gather_seq16": (src.numel() + out.numel(),
+                       lambda: torch.index_select(src16, 0, token_seq, out=out16),
+                       lambda: bool(torch.equal(out[sample], src[sample // K]))),
   }
+  rows_kernel = triton_rows(args.triton_warps, args.triton_block)
+  if rows_kernel is None:
+    print("triton: not installed, the rows_* cases are skipped", file=sys.stderr)
+  else:
+    src_bf16 = torch.randn(T, H, dtype=torch.bfloat16, device="cuda", generator=gen)
+    want_f8 = src_bf16.to(torch.float8_e4m3fn).view(torch.uint8)
+    out_f8 = out.view(torch.float8_e4m3fn)
+    rows_seq = torch.arange(T * K, device="cuda").view(T, K)
+    checks.update({
+        "rows_seq": (src.numel() + out.numel(), lambda: rows_kernel(src, out, rows_seq),
+                     lambda: bool(torch.equal(out[sample], src[sample // K]))),
+        "rows_map": (src.numel() + out.numel(), lambda: rows_kernel(src, out, rows),
+                     lambda: bool(torch.equal(out[sample], src[token_of_row[sample]]))),
+        "rows_map_bf16": (2 * src.numel() + out.numel(),
+                          lambda: rows_kernel(src_bf16, out_f8, rows),
+                          lambda: bool(torch.equal(out[sample], want_f8[token_of_row[sample]]))),
+    })
   results = []
   for name, (moved, call, check) in checks.items():
     out.zero_()
@@ -115,7 +190,8 @@ def main() -> int:
       "device_kind": torch.cuda.get_device_name(),
       "torch_version": torch.__version__,
       "config": {"tokens": T, "hidden": H, "topk": K, "experts": args.experts,
-                 "reps": args.reps},
+                 "reps": args.reps, "triton_warps": args.triton_warps,
+                 "triton_block": args.triton_block},
       "results": results,
   }
   write_json(args.out.with_suffix(".json"), payload)
