@@ -112,6 +112,8 @@ def main() -> int:
     p.error("needs a CUDA GPU (torch.cuda.is_available() is False)")
   if not 1 <= args.topk <= args.experts:
     p.error(f"--topk must be in [1, --experts={args.experts}], got {args.topk}")
+  if args.hidden % 16:
+    p.error(f"--hidden must be a multiple of 16 (the 16-byte cases), got {args.hidden}")
   T, H, K = args.tokens, args.hidden, args.topk
   gen = torch.Generator(device="cuda").manual_seed(0)
   src = torch.randint(0, 256, (T, H), dtype=torch.uint8, device="cuda", generator=gen)
@@ -120,40 +122,37 @@ def main() -> int:
   rows = slot_rows(T, K, args.experts, gen)
   token_of_row = torch.empty(T * K, dtype=torch.long, device="cuda")
   token_of_row[rows.flatten()] = torch.arange(T, device="cuda").repeat_interleave(K)
+  token_seq = torch.arange(T * K, device="cuda") // K  # token-major rows: row r from r // K
   rows_k = [rows[:, k].contiguous() for k in range(K)]
 
   def scatter():
     for k in range(K):
       out.index_copy_(0, rows_k[k], src)
 
-  if H % 16:
-    p.error(f"--hidden must be a multiple of 16 (the 16-byte cases), got {H}")
   src16, out16 = src.view(torch.complex128), out.view(torch.complex128)
-
-  token_seq = torch.arange(T * K, device="cuda") // K
 
   def scatter16():
     for k in range(K):
       out16.index_copy_(0, rows_k[k], src16)
 
   sample = torch.randint(0, T * K, (256,), device="cuda", generator=gen)
+
+  def rows_from(source: torch.Tensor, token_of: torch.Tensor):
+    """The check of a case: the sampled rows of out hold their tokens' rows of source."""
+    return lambda: bool(torch.equal(out[sample], source[token_of[sample]]))
+
+  mapped, in_order = rows_from(src, token_of_row), rows_from(src, token_seq)
+  once = src.numel() + out.numel()  # the bytes of a case that reads src once and writes out
   checks = {  # name: (bytes moved, call, check after one call)
       "fill": (out.numel(), lambda: out.fill_(7), lambda: bool((out[sample] == 7).all())),
       "copy": (2 * out.numel(), lambda: other.copy_(out),
                lambda: bool(torch.equal(other[sample], out[sample]))),
-      "gather": (src.numel() + out.numel(),
-                 lambda: torch.index_select(src, 0, token_of_row, out=out),
-                 lambda: bool(torch.equal(out[sample], src[token_of_row[sample]]))),
-      "scatter": (src.numel() + out.numel(), scatter,
-                  lambda: bool(torch.equal(out[sample], src[token_of_row[sample]]))),
-      "gather16": (src.numel() + out.numel(),
-                   lambda: torch.index_select(src16, 0, token_of_row, out=out16),
-                   lambda: bool(torch.equal(out[sample], src[token_of_row[sample]]))),
-      "scatter16": (src.numel() + out.numel(), scatter16,
-                    lambda: bool(torch.equal(out[sample], src[token_of_row[sample]]))),
-      "gather_seq16": (src.numel() + out.numel(),
-                       lambda: torch.index_select(src16, 0, token_seq, out=out16),
-                       lambda: bool(torch.equal(out[sample], src[sample // K]))),
+      "gather": (once, lambda: torch.index_select(src, 0, token_of_row, out=out), mapped),
+      "scatter": (once, scatter, mapped),
+      "gather16": (once, lambda: torch.index_select(src16, 0, token_of_row, out=out16), mapped),
+      "scatter16": (once, scatter16, mapped),
+      "gather_seq16": (once, lambda: torch.index_select(src16, 0, token_seq, out=out16),
+                       in_order),
   }
   rows_kernel = triton_rows(args.triton_warps, args.triton_block)
   if rows_kernel is None:
@@ -164,13 +163,11 @@ def main() -> int:
     out_f8 = out.view(torch.float8_e4m3fn)
     rows_seq = torch.arange(T * K, device="cuda").view(T, K)
     checks.update({
-        "rows_seq": (src.numel() + out.numel(), lambda: rows_kernel(src, out, rows_seq),
-                     lambda: bool(torch.equal(out[sample], src[sample // K]))),
-        "rows_map": (src.numel() + out.numel(), lambda: rows_kernel(src, out, rows),
-                     lambda: bool(torch.equal(out[sample], src[token_of_row[sample]]))),
-        "rows_map_bf16": (2 * src.numel() + out.numel(),
+        "rows_seq": (once, lambda: rows_kernel(src, out, rows_seq), in_order),
+        "rows_map": (once, lambda: rows_kernel(src, out, rows), mapped),
+        "rows_map_bf16": (src_bf16.numel() * 2 + out.numel(),
                           lambda: rows_kernel(src_bf16, out_f8, rows),
-                          lambda: bool(torch.equal(out[sample], want_f8[token_of_row[sample]]))),
+                          rows_from(want_f8, token_of_row)),
     })
   results = []
   for name, (moved, call, check) in checks.items():
