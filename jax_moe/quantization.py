@@ -6,6 +6,8 @@ scales agree bit for bit across backends.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,11 +92,77 @@ def quantize_fp8(x: jax.Array, block_size: int = 128) -> tuple[jax.Array, jax.Ar
   return q.reshape(x.shape), scales
 
 
-def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
-  """Inverse of quantize_fp8 up to rounding: f32(q) * scale per block, cast to `dtype`."""
-  if q.shape[:-1] != scales.shape[:-1] or q.shape[-1] % scales.shape[-1]:
+DEQUANTIZE_TARGET = "jax_moe_dequantize_fp8"  # ffi/cuda/dequantize_ffi.cc
+DEQUANTIZE_IMPLEMENTATIONS = ("auto", "xla", "cuda")
+
+
+def _check_dequantize(q: jax.Array, scales: jax.Array) -> None:
+  if q.ndim < 1 or q.shape[:-1] != scales.shape[:-1] or scales.shape[-1] == 0 or (
+      q.shape[-1] % scales.shape[-1]):
     raise ValueError(f"dequantize_fp8: scales shape {scales.shape} does not tile q shape "
                      f"{q.shape} along the last axis")
+
+
+def _dequantize_xla(q: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+  """The reference: f32(q) * scale per block (one f32 multiply), cast to `dtype`."""
   block_size = q.shape[-1] // scales.shape[-1]
   xb = _blocks(q.astype(jnp.float32), block_size) * scales.astype(jnp.float32)[..., None]
   return xb.reshape(q.shape).astype(dtype)
+
+
+def _cuda_blocker(q: jax.Array, scales: jax.Array, dtype) -> str | None:
+  """Why the CUDA kernel cannot serve this call (None when it can)."""
+  from jax_moe import native
+
+  if not native.has_cuda():
+    return "the native module has no CUDA kernels (jax_moe.build_info())"
+  if q.dtype != jnp.float8_e4m3fn or scales.dtype != jnp.float32:
+    return f"it takes float8_e4m3fn q and float32 scales, got {q.dtype} and {scales.dtype}"
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+    return f"it writes bfloat16 or float32, got dtype {jnp.dtype(dtype)}"
+  hidden, block_size = q.shape[-1], q.shape[-1] // scales.shape[-1]
+  if hidden % 16 or block_size % 16:
+    return (f"it needs hidden and block_size multiples of 16, got hidden {hidden} and "
+            f"block_size {block_size}")
+  if q.size // 16 >= 2**32:
+    return f"it takes fewer than 2^36 elements, got {q.size}"
+  return None
+
+
+def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32, *,
+                   implementation: str = "auto") -> jax.Array:
+  """Inverse of quantize_fp8 up to rounding: f32(q) * scale per block, cast to `dtype`.
+
+  `implementation`: "xla" is the pure-JAX expression; "cuda" is a custom call
+  (jax_moe_dequantize_fp8, cuda/dequantize.cu) with the same result bit for bit (NaN codes
+  stay NaN), for float8_e4m3fn q, float32 scales, bfloat16 or float32 out, hidden and
+  block_size multiples of 16; "auto" (default) takes the kernel where the computation runs
+  on a CUDA device and the call qualifies, else "xla". Differentiable in every
+  implementation (the kernel's derivative is the reference's).
+  """
+  if implementation not in DEQUANTIZE_IMPLEMENTATIONS:
+    raise ValueError(f"dequantize_fp8: implementation must be one of "
+                     f"{DEQUANTIZE_IMPLEMENTATIONS}, got {implementation!r}")
+  _check_dequantize(q, scales)
+  reference = functools.partial(_dequantize_xla, dtype=dtype)
+  if implementation == "xla" or q.size == 0:  # nothing to launch for an empty q
+    return reference(q, scales)
+  blocker = _cuda_blocker(q, scales, dtype)
+  if blocker is not None:
+    if implementation == "cuda":
+      raise ValueError(f"dequantize_fp8(implementation='cuda'): {blocker}")
+    return reference(q, scales)
+  from jax_moe import native
+
+  native.register_targets()
+  kernel = jax.ffi.ffi_call(DEQUANTIZE_TARGET, jax.ShapeDtypeStruct(q.shape, dtype),
+                            vmap_method="broadcast_all")
+  pick = kernel if implementation == "cuda" else (
+      lambda q, s: jax.lax.platform_dependent(q, s, cuda=kernel, default=reference))
+
+  @jax.custom_jvp
+  def dequantize(q, s):
+    return pick(q, s)
+
+  dequantize.defjvp(lambda primals, tangents: jax.jvp(reference, primals, tangents))
+  return dequantize(q, scales)

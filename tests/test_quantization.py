@@ -127,3 +127,40 @@ def test_dequantize_inverts_quantize_within_fp8_precision(rng):
     # (1 + 2**-20) covers the f32 roundings of the scale and of the product.
     bound = np.maximum(np.abs(x).reshape(4, 2, 128) * 2.0**-4, amax / 448 * 2.0**-10) * (1 + 2.0**-20)
     assert (np.abs(back - x).reshape(4, 2, 128) <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
+def test_dequantize_implementations_agree_here(dtype, rng):
+    """"auto" and "xla" give the spec's bits on this machine's devices (on a GPU "auto" is the
+    kernel: tests/gpu/test_dequantize_gpu.py), also batched by vmap."""
+    q, scales = ref.quantize_fp8(_blocks_of(rng, np.float32), 128)
+    want = ref.dequantize_fp8(q, scales, dtype=np.dtype(dtype))
+    for impl in ("auto", "xla"):
+        got = jax.jit(lambda a, b: jm.dequantize_fp8(a, b, dtype, implementation=impl))(q, scales)
+        assert_bitwise_equal(np.asarray(got), want, f"dequantize_fp8 ({impl})")
+    batched = jax.jit(jax.vmap(lambda a, b: jm.dequantize_fp8(a, b, dtype)))(q[None], scales[None])
+    assert_bitwise_equal(np.asarray(batched)[0], want, "dequantize_fp8 under vmap")
+
+
+def test_dequantize_auto_is_differentiable(rng):
+    q, scales = ref.quantize_fp8(rng.standard_normal((4, 256)).astype(np.float32), 128)
+    grad = jax.grad(lambda s: jm.dequantize_fp8(jnp.asarray(q), s).sum())(jnp.asarray(scales))
+    want = q.astype(np.float32).reshape(4, 2, 128).sum(-1)
+    np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5)
+
+
+def test_dequantize_rejects_bad_arguments(rng):
+    q, scales = ref.quantize_fp8(rng.standard_normal((4, 256)).astype(np.float32), 128)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        jm.dequantize_fp8(q, scales, implementation="triton")
+    with pytest.raises(ValueError, match="does not tile"):
+        jm.dequantize_fp8(q, scales[:, :1].repeat(3, axis=1))
+    with pytest.raises(ValueError, match="does not tile"):
+        jm.dequantize_fp8(q, scales[:3])
+    # implementation="cuda" names why the kernel cannot take the call, at trace time.
+    with pytest.raises(ValueError, match="implementation='cuda'.*(float16|CUDA)"):
+        jm.dequantize_fp8(q, scales, jnp.float16, implementation="cuda")
+    q48, s48 = ref.quantize_fp8(rng.standard_normal((2, 96)).astype(np.float32), 24)
+    with pytest.raises(ValueError, match="implementation='cuda'.*(multiples of 16|CUDA)"):
+        jm.dequantize_fp8(q48, s48, implementation="cuda")
+    assert jm.dequantize_fp8(q[:0], scales[:0], implementation="cuda").shape == (0, 256)

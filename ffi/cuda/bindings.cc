@@ -155,6 +155,7 @@ void add_cuda_targets(nb::dict& targets) {
   targets["jax_moe_combine_recv"] = capsule(CombineRecvFfi);
   targets["jax_moe_combine"] = capsule(CombineFfi);
   targets["jax_moe_all_reduce"] = capsule(AllReduceFfi);
+  targets["jax_moe_dequantize_fp8"] = capsule(DequantizeFp8Ffi);
 }
 
 }  // namespace jax_moe
