@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import jax_moe as jm  # noqa: E402
-from benchmarks import methods, plot, report  # noqa: E402
+from benchmarks import methods, peers, plot, report  # noqa: E402
 from benchmarks.arguments import csv_list as _csv  # noqa: E402
 from benchmarks.arguments import phases as _phases  # noqa: E402
 from benchmarks.environment import SHARDED, device_slug, ep_mesh, provenance  # noqa: E402
@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "on the device, inside the timed loop")
   p.add_argument("--partial-dtype", choices=tuple(methods.PARTIAL_DTYPES), default="f32")
   p.add_argument("--expert-padding", type=int, default=1)
+  p.add_argument("--identity-dequantize", choices=jm.quantization.DEQUANTIZE_IMPLEMENTATIONS,
+                 default="auto", help="jm.dequantize_fp8's implementation in every method's "
+                 "identity expert (fp8 rows): auto (the CUDA kernel on a GPU) or xla")
   p.add_argument("--routing", choices=ROUTINGS, default="uniform")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--backends", type=_csv(), default=None,
@@ -243,6 +246,7 @@ def run_phase(phase: str, tokens: int, mesh, backends: list[str], args) -> dict:
           "combine_dtype": "bf16",
           "combine_reduce": args.reduce, "partial_dtype": args.partial_dtype,
           "expert_padding": args.expert_padding, "routing": args.routing, "seed": args.seed,
+          "identity_dequantize": args.identity_dequantize,
           "backends": backends, "ops": args.ops, "peers": args.peers,
           "iters": args.iters, "short_iters": args.short_iters, "reps": args.reps,
           "budget_s": args.budget_s, "argv": sys.argv[1:],
@@ -262,6 +266,7 @@ def run_phase(phase: str, tokens: int, mesh, backends: list[str], args) -> dict:
 def main(argv=None) -> int:
   args = parse_args(argv)
   mesh = ep_mesh(args.ep)
+  peers.IDENTITY_DEQUANTIZE = args.identity_dequantize
   available = jm.available_backends()
   backends = available if args.backends is None else args.backends
   # Settings of an available backend (methods.FORCED_REMOTE) only when asked for.

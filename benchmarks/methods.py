@@ -97,12 +97,9 @@ def _combine_check(ctx: Context, roundings: int):
 
 # ------------------------------------------------------------------ jax_moe backends
 def identity_expert(r: jm.Dispatched) -> jax.Array:
-  """y = the dispatched rows, dequantized and cast to the combine dtype (bf16), behind
-  optimization barriers: a real expert is a grouped GEMM that XLA cannot fuse into the
-  exchange's gathers or scatters, so neither may this stand-in (peers._identity_expert too)."""
-  x, scales = jax.lax.optimization_barrier((r.x, r.scales))
-  y = x.astype(jnp.bfloat16) if scales is None else jm.dequantize_fp8(x, scales, jnp.bfloat16)
-  return jax.lax.optimization_barrier(y)
+  """y = the dispatched rows through peers.identity_expert (dequantized, bf16, behind
+  optimization barriers)."""
+  return peers.identity_expert(r.x, r.scales)
 
 
 def fused_op(comm: jm.Communicator) -> Callable:

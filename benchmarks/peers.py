@@ -26,14 +26,23 @@ def _wire_rows(shape: Shape, x) -> tuple[jax.Array, jax.Array | None]:
   return jax.lax.bitcast_convert_type(q, jnp.uint8), scales
 
 
-def _identity_expert(rows: jax.Array, scales: jax.Array | None) -> jax.Array:
+# implementation of jm.dequantize_fp8 in every method's identity expert: "auto" (the CUDA
+# kernel on a GPU) or "xla" (XLA's fusion); bench_dispatch_combine.py --identity-dequantize
+IDENTITY_DEQUANTIZE = "auto"
+
+
+def identity_expert(rows: jax.Array, scales: jax.Array | None) -> jax.Array:
   """The expert output of received rows: dequantized, bf16. Zero rows stay zero. Behind
-  optimization barriers, like methods.identity_expert (a real expert does not fuse)."""
+  optimization barriers: a real expert is a grouped GEMM that XLA cannot fuse into the
+  exchange's gathers or scatters, so neither may this stand-in. The one identity of every
+  method (methods.identity_expert too)."""
   rows, scales = jax.lax.optimization_barrier((rows, scales))
   if scales is None:
     return jax.lax.optimization_barrier(rows.astype(jnp.bfloat16))
-  q = jax.lax.bitcast_convert_type(rows, jnp.float8_e4m3fn)
-  return jax.lax.optimization_barrier(jm.dequantize_fp8(q, scales, jnp.bfloat16))
+  q = rows if rows.dtype == jnp.float8_e4m3fn else jax.lax.bitcast_convert_type(
+      rows, jnp.float8_e4m3fn)
+  return jax.lax.optimization_barrier(
+      jm.dequantize_fp8(q, scales, jnp.bfloat16, implementation=IDENTITY_DEQUANTIZE))
 
 
 def _valid(shape: Shape, topk_ids: jax.Array) -> jax.Array:
@@ -56,7 +65,7 @@ def _local_experts_psum_scatter(shape: Shape, axis: str, rows, scales, topk_ids,
   token, weighted by the router weights of the slots it owns, psum_scattered: [T, H]."""
   mine = _valid(shape, topk_ids) & (topk_ids // shape.local_experts == jax.lax.axis_index(axis))
   local_weight = jnp.where(mine, topk_weights, 0.0).sum(axis=1)           # [R*T] f32
-  y = _identity_expert(rows, scales).astype(jnp.float32)
+  y = identity_expert(rows, scales).astype(jnp.float32)
   partial = (local_weight[:, None] * y).astype(jnp.bfloat16)              # [R*T, H]
   return jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
 
@@ -113,7 +122,7 @@ def padded_all_to_all(shape: Shape, axis: str):
     a2a = lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)
     received = a2a(pack(rows))
     received_scales = None if scales is None else a2a(pack(scales))
-    back = a2a(_identity_expert(received, received_scales))               # same positions
+    back = a2a(identity_expert(received, received_scales))               # same positions
     return _weighted_sum_by_slot(shape, back, flat.reshape(T, K), valid, topk_weights)
 
   return exchange
@@ -151,7 +160,7 @@ def ragged_all_to_all(shape: Shape, axis: str):
 
     received = send(rows)
     received_scales = None if scales is None else send(scales)
-    y = _identity_expert(received, received_scales)
+    y = identity_expert(received, received_scales)
     back = jax.lax.ragged_all_to_all(
         y, jnp.zeros((T * K, shape.hidden), jnp.bfloat16), recv_offsets, recv_sizes,
         back_offsets, send_sizes, axis_name=axis)                         # in sorted order

@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_moe as jm  # noqa: E402
-from benchmarks import stage_profile  # noqa: E402
+from benchmarks import peers, stage_profile  # noqa: E402
 from benchmarks.methods import identity_expert  # noqa: E402
 from jax_moe.sharding import shard_map  # noqa: E402
 
@@ -52,6 +52,8 @@ def parse_args():
   p.add_argument("--num-sms", type=int, default=None,
                  help="MoEConfig.num_sms: blocks of the cuda kernels (default: every SM)")
   p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--identity-dequantize", choices=("auto", "xla"), default="auto",
+                 help="jm.dequantize_fp8's implementation in the identity expert (fp8 rows)")
   p.add_argument("--stages", action="store_true",
                  help="also print per-block stage times of the NVLink kernels (cuda backend)")
   p.add_argument("--json", default=None, help="also write the table here")
@@ -66,6 +68,7 @@ def short_name(name: str) -> str:
 
 def main():
   a = parse_args()
+  peers.IDENTITY_DEQUANTIZE = a.identity_dequantize
   if a.stages:
     os.environ["JAX_MOE_STAGE_CLOCKS"] = "1"  # read when the Communicator is built
   devices = jax.devices()[:a.ep] if a.ep else jax.devices()

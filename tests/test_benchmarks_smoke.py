@@ -188,3 +188,17 @@ def test_checks_reject_a_wrong_dispatch_and_a_wrong_combine():
     assert not reference.check_close(rolled, want.combined, want.bound, roundings=1)["passed"]
     scaled = (want.combined * (1 + 2.0 ** -6)).astype(np.float32)
     assert not reference.check_close(scaled, want.combined, want.bound, roundings=1)["passed"]
+
+
+def test_bench_dequantize_checks_then_times_and_writes_json(tmp_path):
+    """On CPU only the xla implementation runs (the kernel's case is skipped and says so)."""
+    from benchmarks import bench_dequantize
+
+    stem = tmp_path / "dq"
+    bench_dequantize.main(["--rows", "8,24", "--hidden", "256", "--reps", "1", "--n-long", "4",
+                           "--out", str(stem)])
+    payload = json.loads(stem.with_suffix(".json").read_text())
+    assert [(r["implementation"], r["rows"]) for r in payload["results"]] == [("xla", 8),
+                                                                             ("xla", 24)]
+    assert all(r["bytes"] == r["rows"] * (256 + 2 * 4 + 256 * 2) for r in payload["results"])
+    assert stem.with_suffix(".png").exists()
