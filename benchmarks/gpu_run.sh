@@ -22,6 +22,12 @@
 #   ep1_cmdbuf  the ep1 decode benchmark (expert mode, bf16 partials) with XLA command buffers
 #            forced on for fusions and custom calls: the launch gaps between a step's kernels
 #            are most of a decode step (docs/perf-notes.md); file suffix -cmdbuf
+#   dequant  jm.dequantize_fp8's kernel: tests/gpu/test_dequantize_gpu.py and
+#            tests/test_quantization.py on the GPU, bench_dequantize.py (kernel against XLA's
+#            fusion at 1024 and 32768 rows), then profile_kernels.py per kernel (as ep1's) with
+#            the identity expert's dequantization by XLA and by the kernel
+#   ep1dq    the ep1 benchmark's fused fp8 step (expert mode, bf16 partials) with the identity
+#            expert's dequantization by XLA, then by the kernel: the step before and after
 #   hmem     whether this machine's libfabric grants FI_HMEM (CUDA memory) with shm and
 #            tcp;ofi_rxm: the TransferEngine's facts, or the provider's refusal
 #   proxy1   bench_host_remote.py --platform cuda --gpus 1 (2 processes share GPU 0 through their
@@ -193,6 +199,26 @@ for step in "${steps[@]}"; do
         > "$logs/bench_ep1_cmdbuf.log" 2>&1
       echo "bench ep1 cmdbuf: rc=$?"
       tail -14 "$logs/bench_ep1_cmdbuf.log" ;;
+    dequant)
+      suite dequantize_gpu 120 tests/gpu/test_dequantize_gpu.py tests/test_quantization.py
+      timeout -s KILL 150 python3 benchmarks/bench_dequantize.py \
+        --git-commit "${GIT_COMMIT:-unknown}" --out "$logs/dequantize" \
+        > "$logs/bench_dequantize.log" 2>&1
+      echo "bench dequantize: rc=$?"
+      grep -E "rows:|Error" "$logs/bench_dequantize.log" | head -8
+      for impl in xla auto; do
+        profile_ep 1 "profile_dq_$impl" "busy span|us x" 6 --identity-dequantize $impl
+      done ;;
+    ep1dq)
+      for impl in xla auto; do
+        timeout -s KILL 200 python3 benchmarks/bench_dispatch_combine.py --ep 1 \
+          --backends cuda,xla --peers all_gather --ops fused --reduce expert \
+          --partial-dtype bf16 --dispatch-dtypes fp8 --identity-dequantize $impl --reps 3 \
+          --budget-s 4 --git-commit "${GIT_COMMIT:-unknown}" --out "$logs/bench-dq-$impl" \
+          > "$logs/bench_ep1dq_$impl.log" 2>&1
+        echo "bench ep1 fp8 fused, identity dequantize $impl: rc=$?"
+        tail -12 "$logs/bench_ep1dq_$impl.log"
+      done ;;
     models_mp) suite models_multiprocess 420 -s -rs tests/gpu/test_models_multiprocess.py ;;
     hmem) hmem_facts ;;
     proxy1)
