@@ -124,8 +124,8 @@ def _cuda_blocker(q: jax.Array, scales: jax.Array, dtype) -> str | None:
   if hidden % 16 or block_size % 16:
     return (f"it needs hidden and block_size multiples of 16, got hidden {hidden} and "
             f"block_size {block_size}")
-  if q.size // 16 >= 2**32:
-    return f"it takes fewer than 2^36 elements, got {q.size}"
+  if q.size // 8 >= 2**32:
+    return f"it takes fewer than 2^35 elements, got {q.size}"
   return None
 
 

@@ -53,8 +53,8 @@ ffi::Error DequantizeFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   if (hidden % 16 != 0 || block_size % 16 != 0)
     return invalid("hidden and block_size must be multiples of 16, got hidden " +
                    std::to_string(hidden) + " and block_size " + std::to_string(block_size));
-  if (rows * hidden / 16 >= (int64_t(1) << 32))
-    return invalid("q must have fewer than 2^36 elements");
+  if (rows * hidden / 8 >= (int64_t(1) << 32))
+    return invalid("q must have fewer than 2^35 elements");
   if (!aligned16(q.untyped_data()) || !aligned16(out->untyped_data()))
     return invalid("q and the output must be 16-byte aligned");
   if (rows == 0) return ffi::Error::Success();

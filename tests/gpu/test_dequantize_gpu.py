@@ -30,7 +30,9 @@ CASES = (((1024, 7168), 128, jnp.bfloat16), ((3, 5, 256), 16, jnp.float32),
 
 
 def _inputs(rng, shape, block):
-    codes = rng.integers(0, 256, shape, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    codes = rng.integers(0, 256, shape, dtype=np.uint8)
+    codes.reshape(-1)[:2] = (0x7F, 0xFF)  # both NaN codes, whatever the size
+    codes = codes.view(ml_dtypes.float8_e4m3fn)
     scale_shape = (*shape[:-1], shape[-1] // block)
     scales = (rng.uniform(0.5, 1.0, scale_shape) * rng.choice((-1.0, 1.0), scale_shape)
               * 2.0 ** rng.integers(-60, 20, scale_shape)).astype(np.float32)
