@@ -64,8 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--partial-dtype", choices=tuple(methods.PARTIAL_DTYPES), default="f32")
   p.add_argument("--expert-padding", type=int, default=1)
   p.add_argument("--identity-dequantize", choices=jm.quantization.DEQUANTIZE_IMPLEMENTATIONS,
-                 default="auto", help="jm.dequantize_fp8's implementation in every method's "
-                 "identity expert (fp8 rows): auto (the CUDA kernel on a GPU) or xla")
+                 default="xla", help="jm.dequantize_fp8's implementation in every method's "
+                 "identity expert (fp8 rows): xla (its default) or auto (the CUDA kernel on a GPU)")
   p.add_argument("--routing", choices=ROUTINGS, default="uniform")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--backends", type=_csv(), default=None,

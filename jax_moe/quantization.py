@@ -130,15 +130,17 @@ def _cuda_blocker(q: jax.Array, scales: jax.Array, dtype) -> str | None:
 
 
 def dequantize_fp8(q: jax.Array, scales: jax.Array, dtype=jnp.float32, *,
-                   implementation: str = "auto") -> jax.Array:
+                   implementation: str = "xla") -> jax.Array:
   """Inverse of quantize_fp8 up to rounding: f32(q) * scale per block, cast to `dtype`.
 
-  `implementation`: "xla" is the pure-JAX expression; "cuda" is a custom call
+  `implementation`: "xla" (default) is the pure-JAX expression; "cuda" is a custom call
   (jax_moe_dequantize_fp8, cuda/dequantize.cu) with the same result bit for bit (NaN codes
   stay NaN), for float8_e4m3fn q, float32 scales, bfloat16 or float32 out, hidden and
-  block_size multiples of 16; "auto" (default) takes the kernel where the computation runs
-  on a CUDA device and the call qualifies, else "xla". Differentiable in every
-  implementation (the kernel's derivative is the reference's).
+  block_size multiples of 16; "auto" takes the kernel where the computation runs on a CUDA
+  device and the call qualifies, else "xla". The kernel is not the default because it has
+  not been measured faster than XLA's own fusion of the expression (docs/perf-notes.md,
+  benchmarks/bench_dequantize.py). Differentiable in every implementation (the kernel's
+  derivative is the reference's).
   """
   if implementation not in DEQUANTIZE_IMPLEMENTATIONS:
     raise ValueError(f"dequantize_fp8: implementation must be one of "

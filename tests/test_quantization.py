@@ -132,19 +132,21 @@ def test_dequantize_inverts_quantize_within_fp8_precision(rng):
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
 def test_dequantize_implementations_agree_here(dtype, rng):
     """"auto" and "xla" give the spec's bits on this machine's devices (on a GPU "auto" is the
-    kernel: tests/gpu/test_dequantize_gpu.py), also batched by vmap."""
+    kernel: tests/gpu/test_dequantize_gpu.py), also batched by vmap and differentiated."""
     q, scales = ref.quantize_fp8(_blocks_of(rng, np.float32), 128)
     want = ref.dequantize_fp8(q, scales, dtype=np.dtype(dtype))
     for impl in ("auto", "xla"):
         got = jax.jit(lambda a, b: jm.dequantize_fp8(a, b, dtype, implementation=impl))(q, scales)
         assert_bitwise_equal(np.asarray(got), want, f"dequantize_fp8 ({impl})")
-    batched = jax.jit(jax.vmap(lambda a, b: jm.dequantize_fp8(a, b, dtype)))(q[None], scales[None])
+    batched = jax.jit(jax.vmap(lambda a, b: jm.dequantize_fp8(a, b, dtype, implementation="auto")))(
+        q[None], scales[None])
     assert_bitwise_equal(np.asarray(batched)[0], want, "dequantize_fp8 under vmap")
 
 
 def test_dequantize_auto_is_differentiable(rng):
     q, scales = ref.quantize_fp8(rng.standard_normal((4, 256)).astype(np.float32), 128)
-    grad = jax.grad(lambda s: jm.dequantize_fp8(jnp.asarray(q), s).sum())(jnp.asarray(scales))
+    grad = jax.grad(lambda s: jm.dequantize_fp8(jnp.asarray(q), s, implementation="auto").sum())(
+        jnp.asarray(scales))
     want = q.astype(np.float32).reshape(4, 2, 128).sum(-1)
     np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5)
 

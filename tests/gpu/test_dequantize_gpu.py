@@ -74,13 +74,15 @@ def test_kernel_under_shard_map_vmap_and_grad(rng):
     q, scales = _inputs(rng, (4, 16, 256), 128)
     want = ref.dequantize_fp8(q, scales, ml_dtypes.bfloat16)
     mesh = make_mesh(1)
-    per_shard = jax.jit(shard_map(lambda a, b: jm.dequantize_fp8(a, b, jnp.bfloat16), mesh,
+    auto = lambda a, b: jm.dequantize_fp8(a, b, jnp.bfloat16, implementation="auto")
+    per_shard = jax.jit(shard_map(auto, mesh,
                                   in_specs=(P("ep"), P("ep")), out_specs=P("ep")))
     assert_bitwise_equal(np.asarray(per_shard(q, scales)), want, "shard_map", nan_equal=True)
-    batched = jax.jit(jax.vmap(lambda a, b: jm.dequantize_fp8(a, b, jnp.bfloat16)))
+    batched = jax.jit(jax.vmap(auto))
     assert_bitwise_equal(np.asarray(batched(q, scales)), want, "vmap", nan_equal=True)
     finite = jnp.asarray(np.where(np.isnan(q.astype(np.float32)), 0, q.astype(np.float32))
                          .astype(ml_dtypes.float8_e4m3fn))
-    grad = jax.grad(lambda s: jm.dequantize_fp8(finite, s, jnp.float32).sum())(scales)
+    grad = jax.grad(lambda s: jm.dequantize_fp8(finite, s, jnp.float32,
+                                                implementation="auto").sum())(scales)
     want_grad = np.asarray(finite, np.float32).reshape(4, 16, 2, 128).sum(-1)
     np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5)
