@@ -31,12 +31,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax_moe as jm  # noqa: E402
-from benchmarks import stage_profile  # noqa: E402
+from benchmarks import reference, stage_profile  # noqa: E402
 from benchmarks.arguments import csv_list  # noqa: E402
 from benchmarks.environment import ep_mesh, provenance  # noqa: E402
 from benchmarks.plot import plot_time_bars  # noqa: E402
 from benchmarks.report import progress, write_json  # noqa: E402
-from benchmarks.timing import summarize, time_per_iteration  # noqa: E402
+from benchmarks.timing import per_step, time_per_iteration  # noqa: E402
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 COLORS = {"xla": "tab:orange", "cuda": "tab:blue"}
@@ -72,12 +72,7 @@ def inputs(rng, rows: int, hidden: int, block: int):
   return q, scales
 
 
-def spec(q, scales, dtype):
-  blocks = q.astype(np.float32).reshape(q.shape[0], scales.shape[1], -1)
-  return (blocks * scales[..., None]).reshape(q.shape).astype(dtype)
-
-
-def same_bits(got: np.ndarray, want: np.ndarray) -> int:
+def differing(got: np.ndarray, want: np.ndarray) -> int:
   """Elements that differ in their bits (any NaN matches any NaN)."""
   width = np.dtype(f"u{got.dtype.itemsize}")
   differ = got.view(width) != want.view(width)
@@ -124,7 +119,7 @@ def main(argv=None):
   results = []
   for rows in a.rows:
     q_np, s_np = inputs(rng, rows, a.hidden, a.block_size)
-    want = spec(q_np, s_np, np.dtype(dtype))
+    want = reference.dequantize_fp8(q_np, s_np).astype(np.dtype(dtype))
     q, s = jnp.asarray(q_np), jnp.asarray(s_np)
     moved = q_np.nbytes + s_np.nbytes + want.nbytes
     for impl in a.implementations:
@@ -133,16 +128,14 @@ def main(argv=None):
         progress(f"{label}: skipped, the kernel needs a CUDA device")
         continue
       got = np.asarray(jax.jit(lambda q, s: jm.dequantize_fp8(q, s, dtype, implementation=impl))(q, s))
-      wrong = same_bits(got, want)
+      wrong = differing(got, want)
       if wrong:
         raise SystemExit(f"{label}: {wrong} of {got.size} elements differ from the spec")
       progress(f"{label}: matches the spec bit for bit")
       run = loop(impl, dtype, a.steps)
       timing, _ = time_per_iteration(lambda n: run(q, s, np.int32(n)), a.n_short, a.n_long,
                                      a.reps, a.budget_s)
-      per_call = {k: (v / a.steps if k.endswith("_us") else v) for k, v in timing.items()
-                  if k != "samples_us"}
-      per_call["samples_us"] = [v / a.steps for v in timing["samples_us"]]
+      per_call = per_step(timing, a.steps)
       kernel = kernel_time(stage_profile.traced(lambda: run(q, s, np.int32(a.n_short))), impl)
       if kernel:
         kernel["tb_per_s"] = moved / (kernel["mean_us"] * 1e-6) / 1e12
