@@ -28,6 +28,10 @@
 #            the identity expert's dequantization by XLA and by the kernel
 #   ep1dq    the ep1 benchmark's fused fp8 step (expert mode, bf16 partials) with the identity
 #            expert's dequantization by XLA, then by the kernel: the step before and after
+#   floor    on one GPU: write_floor.py (the world-1 prefill dispatch's bytes through vendor and
+#            triton kernels: fill, copy, gather, scatter, rows_*), then profile_kernels.py per
+#            kernel at prefill (fp8, expert, bf16 partials, fused): the dispatch against its
+#            floor on the same machine (issue 12's <= 100 us; measured on an H100 only so far)
 #   hmem     whether this machine's libfabric grants FI_HMEM (CUDA memory) with shm and
 #            tcp;ofi_rxm: the TransferEngine's facts, or the provider's refusal
 #   proxy1   bench_host_remote.py --platform cuda --gpus 1 (2 processes share GPU 0 through their
@@ -219,6 +223,16 @@ for step in "${steps[@]}"; do
         echo "bench ep1 fp8 fused, identity dequantize $impl: rc=$?"
         tail -12 "$logs/bench_ep1dq_$impl.log"
       done ;;
+    floor)
+      timeout -s KILL 150 python3 benchmarks/write_floor.py --git-commit "${GIT_COMMIT:-unknown}" \
+        --out "$logs/write_floor" > "$logs/write_floor.log" 2>&1
+      echo "write floor: rc=$?"
+      grep -E " us \(|WRONG|Error" "$logs/write_floor.log" | head -14
+      timeout -s KILL 90 python3 benchmarks/profile_kernels.py --ep 1 --tokens 4096 \
+        --dispatch-dtype fp8 --reduce expert --partial-dtype bf16 \
+        --json "$logs/floor_ep1_4096_fused.json" > "$logs/floor_ep1_4096_fused.log" 2>&1
+      echo "floor ep1 4096 tokens fused: rc=$?"
+      grep -E "busy span|us x" "$logs/floor_ep1_4096_fused.log" | head -6 ;;
     models_mp) suite models_multiprocess 420 -s -rs tests/gpu/test_models_multiprocess.py ;;
     hmem) hmem_facts ;;
     proxy1)
