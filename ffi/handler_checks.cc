@@ -25,6 +25,11 @@ const char* dtype_name(ffi::DataType dtype) {
 
 }  // namespace
 
+ffi::Error invalid_argument(const CallSite& site, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(site.target) + ": " + what + " (" +
+                                     site.python_fn + ")");
+}
+
 ffi::Error expect_shape(const CallSite& site, const char* arg, ffi::Span<const int64_t> dims,
                         std::initializer_list<NamedDim> expected) {
   bool same = dims.size() == expected.size();

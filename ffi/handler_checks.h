@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <string>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -26,6 +27,9 @@ struct CallSite {
 // Communicator.dispatch_send expects [max_tokens=128, hidden=512]".
 ffi::Error expect_shape(const CallSite& site, const char* arg, ffi::Span<const int64_t> dims,
                         std::initializer_list<NamedDim> expected);
+
+// An InvalidArgument error "<target>: <what> (<python_fn>)".
+ffi::Error invalid_argument(const CallSite& site, const std::string& what);
 
 // Error unless `dtype` is `expected`.
 ffi::Error expect_dtype(const CallSite& site, const char* arg, ffi::DataType dtype,

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cuda/dequantize.cuh"
+#include "ffi/cuda/handler_util.h"
 #include "ffi/cuda/handlers.h"
 #include "ffi/handler_checks.h"
 #include "xla/ffi/api/ffi.h"
@@ -15,11 +16,6 @@ namespace jax_moe {
 namespace {
 
 const CallSite kSite{"jax_moe_dequantize_fp8", "dequantize_fp8 (implementation='cuda')"};
-
-ffi::Error invalid(const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(kSite.target) + ": " + what + " (" +
-                                     kSite.python_fn + ")");
-}
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -32,41 +28,41 @@ ffi::Error DequantizeFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   switch (out->element_type()) {
     case ffi::DataType::BF16: out_dtype = DequantizeOut::kBf16; break;
     case ffi::DataType::F32: out_dtype = DequantizeOut::kF32; break;
-    default: return invalid("the output dtype must be bfloat16 or float32");
+    default: return invalid_argument(kSite, "the output dtype must be bfloat16 or float32");
   }
   const auto qd = q.dimensions(), sd = scales.dimensions(), od = out->dimensions();
-  if (qd.size() < 1) return invalid("q must have at least one dimension (hidden last)");
-  if (sd.size() != qd.size()) return invalid("scales must be [..., hidden / block_size], as q");
+  if (qd.size() < 1)
+    return invalid_argument(kSite, "q must have at least one dimension (hidden last)");
+  if (sd.size() != qd.size())
+    return invalid_argument(kSite, "scales must be [..., hidden / block_size], as q");
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < qd.size(); ++i) {
     if (sd[i] != qd[i] || od[i] != qd[i])
-      return invalid("q, scales and the output must share every dimension but the last");
+      return invalid_argument(kSite,
+                              "q, scales and the output must share every dimension but the last");
     rows *= qd[i];
   }
   const int64_t hidden = qd.back(), blocks = sd.back();
   if (od.size() != qd.size() || od.back() != hidden)
-    return invalid("the output must have q's shape");
+    return invalid_argument(kSite, "the output must have q's shape");
   if (blocks <= 0 || hidden % blocks != 0)
-    return invalid("scales' last dimension (" + std::to_string(blocks) +
-                   ") must divide q's hidden (" + std::to_string(hidden) + ")");
+    return invalid_argument(kSite, "scales' last dimension (" + std::to_string(blocks) +
+                                       ") must divide q's hidden (" + std::to_string(hidden) +
+                                       ")");
   const int64_t block_size = hidden / blocks;
   if (hidden % 16 != 0 || block_size % 16 != 0)
-    return invalid("hidden and block_size must be multiples of 16, got hidden " +
-                   std::to_string(hidden) + " and block_size " + std::to_string(block_size));
+    return invalid_argument(kSite, "hidden and block_size must be multiples of 16, got hidden " +
+                                       std::to_string(hidden) + " and block_size " +
+                                       std::to_string(block_size));
   if (rows * hidden / 8 >= (int64_t(1) << 32))
-    return invalid("q must have fewer than 2^35 elements");
+    return invalid_argument(kSite, "q must have fewer than 2^35 elements");
   if (!aligned16(q.untyped_data()) || !aligned16(out->untyped_data()))
-    return invalid("q and the output must be 16-byte aligned");
+    return invalid_argument(kSite, "q and the output must be 16-byte aligned");
   if (rows == 0) return ffi::Error::Success();
-  if (cudaError_t status = cudaSetDevice(ordinal); status != cudaSuccess)
-    return ffi::Error::Internal(std::string(kSite.target) + ": cudaSetDevice failed: " +
-                                cudaGetErrorString(status));
-  const cudaError_t status =
-      launch_dequantize_fp8(q.untyped_data(), scales.typed_data(), out->untyped_data(),
-                            out_dtype, rows, hidden, block_size, stream);
-  if (status == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(kSite.target) + ": launch failed: " +
-                              cudaGetErrorString(status));
+  if (auto err = set_device(kSite, ordinal); err.failure()) return err;
+  return launch_result(kSite, launch_dequantize_fp8(q.untyped_data(), scales.typed_data(),
+                                                    out->untyped_data(), out_dtype, rows,
+                                                    hidden, block_size, stream));
 }
 
 }  // namespace

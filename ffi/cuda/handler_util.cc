@@ -18,12 +18,16 @@ ffi::ErrorOr<CudaRankState*> begin_call(const CallSite& site, int64_t comm_id, i
                           ": a peer timed out earlier on this communicator, so the ranks' "
                           "sequence numbers no longer agree; call Communicator.check() for the "
                           "details and build a new Communicator"));
-  const cudaError_t status = cudaSetDevice(ordinal);
-  if (status != cudaSuccess)
-    return ffi::Unexpected(ffi::Error::Internal(std::string(site.target) + ": cudaSetDevice(" +
-                                                std::to_string(ordinal) + ") failed: " +
-                                                cudaGetErrorString(status)));
+  if (auto err = set_device(site, ordinal); err.failure()) return ffi::Unexpected(err);
   return s;
+}
+
+ffi::Error set_device(const CallSite& site, int32_t ordinal) {
+  const cudaError_t status = cudaSetDevice(ordinal);
+  if (status == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(site.target) + ": cudaSetDevice(" +
+                              std::to_string(ordinal) + ") failed: " +
+                              cudaGetErrorString(status));
 }
 
 ffi::Error launch_result(const CallSite& site, cudaError_t status) {

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cuda/cutlass/grouped_gemm.cuh"
+#include "ffi/cuda/handler_util.h"
 #include "ffi/handler_checks.h"
 #include "ffi/native_cutlass.h"
 #include "xla/ffi/api/ffi.h"
@@ -17,11 +18,6 @@ namespace {
 
 const CallSite kSite{"jax_moe_grouped_gemm_fp8",
                      "grouped_gemm.ragged_dot (implementation='cutlass')"};
-
-ffi::Error invalid(const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(kSite.target) + ": " + what + " (" +
-                                     kSite.python_fn + ")");
-}
 
 // SMs of `device`: the persistent grid's size and so the workspace's.
 ffi::ErrorOr<int32_t> sm_count(int32_t device) {
@@ -42,21 +38,23 @@ ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, int32_t ordinal, int32_t conf
                               ffi::Result<ffi::Buffer<ffi::BF16>> y,
                               ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
   if (grouped_gemm_fp8_config_name(config) == nullptr)
-    return invalid("config " + std::to_string(config) + " is not one of the " +
-                   std::to_string(kFp8ConfigCount) + " of cutlass_grouped_gemm_fp8_configs()");
+    return invalid_argument(kSite, "config " + std::to_string(config) + " is not one of the " +
+                                       std::to_string(kFp8ConfigCount) +
+                                       " of cutlass_grouped_gemm_fp8_configs()");
   for (auto [name, dtype] : {std::pair{"x_codes", x_codes.element_type()},
                              std::pair{"w_codes", w_codes.element_type()}})
     if (auto err = expect_dtype(kSite, name, dtype, ffi::DataType::F8E4M3FN); err.failure())
       return err;
   const auto xd = x_codes.dimensions(), wd = w_codes.dimensions();
-  if (xd.size() != 2) return invalid("x_codes must be [M, K]");
-  if (wd.size() != 3) return invalid("w_codes must be [G, N, K]");
+  if (xd.size() != 2) return invalid_argument(kSite, "x_codes must be [M, K]");
+  if (wd.size() != 3) return invalid_argument(kSite, "w_codes must be [G, N, K]");
   const int64_t m = xd[0], k = xd[1], g = wd[0], n = wd[1];
   constexpr int64_t b = kGroupedGemmFp8Block;
-  if (wd[2] != k) return invalid("w_codes [G, N, K] and x_codes [M, K] must share K");
+  if (wd[2] != k)
+    return invalid_argument(kSite, "w_codes [G, N, K] and x_codes [M, K] must share K");
   if (k % b != 0 || n % b != 0 || k == 0 || n == 0)
-    return invalid("K and N must be positive multiples of 128, got K=" + std::to_string(k) +
-                   ", N=" + std::to_string(n));
+    return invalid_argument(kSite, "K and N must be positive multiples of 128, got K=" +
+                                       std::to_string(k) + ", N=" + std::to_string(n));
   if (auto err = expect_shape(kSite, "x_scales", x_scales.dimensions(),
                               {{"M", m}, {"K/128", k / b}});
       err.failure())
@@ -71,16 +69,15 @@ ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, int32_t ordinal, int32_t conf
   if (auto err = expect_shape(kSite, "y (output)", y->dimensions(), {{"M", m}, {"N", n}});
       err.failure())
     return err;
-  if (cudaError_t status = cudaSetDevice(ordinal); status != cudaSuccess)
-    return ffi::Error::Internal(std::string(kSite.target) + ": cudaSetDevice failed: " +
-                                cudaGetErrorString(status));
+  if (auto err = set_device(kSite, ordinal); err.failure()) return err;
   auto sms = sm_count(ordinal);
   if (sms.has_error()) return sms.error();
   const size_t need =
       grouped_gemm_fp8_workspace_bytes(config, static_cast<int32_t>(g), m, n, k, *sms);
   if (workspace->size_bytes() < need)
-    return invalid("workspace has " + std::to_string(workspace->size_bytes()) + " bytes, " +
-                   std::to_string(need) + " needed (cutlass_grouped_gemm_fp8_workspace_bytes)");
+    return invalid_argument(kSite, "workspace has " + std::to_string(workspace->size_bytes()) +
+                                       " bytes, " + std::to_string(need) +
+                                       " needed (cutlass_grouped_gemm_fp8_workspace_bytes)");
 
   const GroupedGemmFp8Args args{x_codes.untyped_data(), x_scales.typed_data(),
                                 w_codes.untyped_data(), w_scales.typed_data(),
@@ -89,10 +86,8 @@ ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, int32_t ordinal, int32_t conf
                                 m, n, k, static_cast<int32_t>(g), *sms, ordinal, config};
   const char* detail = nullptr;
   const cudaError_t status = launch_grouped_gemm_fp8(args, &detail, stream);
-  if (status == cudaSuccess) return ffi::Error::Success();
-  if (detail != nullptr) return invalid(detail);
-  return ffi::Error::Internal(std::string(kSite.target) + ": launch failed: " +
-                              cudaGetErrorString(status));
+  if (status != cudaSuccess && detail != nullptr) return invalid_argument(kSite, detail);
+  return launch_result(kSite, status);
 }
 
 }  // namespace
