@@ -21,6 +21,7 @@ Writes JSON (commit, device, config, medians and spreads) and a PNG.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -80,10 +81,9 @@ def differing(got: np.ndarray, want: np.ndarray) -> int:
   return int(differ.sum())
 
 
-def loop(impl: str, dtype, steps: int):
-  """jit(run(q, scales, n)): n iterations of `steps` chained calls; returns the last result's
-  [0, 0] (so the chain is live)."""
-  call = lambda q, s: jm.dequantize_fp8(q, s, dtype, implementation=impl)
+def loop(call, steps: int):
+  """jit(run(q, scales, n)): n iterations of `steps` chained calls of call(q, scales); returns
+  the last result's [0, 0] (so the chain is live)."""
 
   def run(q, s, n):
     def iteration(_, s):
@@ -127,12 +127,13 @@ def main(argv=None):
       if impl == "cuda" and mesh.devices.flat[0].platform != "gpu":
         progress(f"{label}: skipped, the kernel needs a CUDA device")
         continue
-      got = np.asarray(jax.jit(lambda q, s: jm.dequantize_fp8(q, s, dtype, implementation=impl))(q, s))
+      call = functools.partial(jm.dequantize_fp8, dtype=dtype, implementation=impl)
+      got = np.asarray(jax.jit(call)(q, s))
       wrong = differing(got, want)
       if wrong:
         raise SystemExit(f"{label}: {wrong} of {got.size} elements differ from the spec")
       progress(f"{label}: matches the spec bit for bit")
-      run = loop(impl, dtype, a.steps)
+      run = loop(call, a.steps)
       timing, _ = time_per_iteration(lambda n: run(q, s, np.int32(n)), a.n_short, a.n_long,
                                      a.reps, a.budget_s)
       per_call = per_step(timing, a.steps)
@@ -146,8 +147,8 @@ def main(argv=None):
             (f", kernel {kernel['mean_us']:.1f} us ({kernel['tb_per_s']:.2f} TB/s of "
              f"{moved / 1e6:.1f} MB)" if kernel else ", no kernel in the trace"))
   env = provenance(mesh, a.git_commit)
-  payload = {**env, "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-             "results": results}
+  config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
+  payload = {**env, "config": config, "results": results}
   write_json(a.out.with_suffix(".json"), payload)
   plot_time_bars(results, a.out.with_suffix(".png"),
                  colors=[COLORS[r["implementation"]] for r in results],

@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "on the device, inside the timed loop")
   p.add_argument("--partial-dtype", choices=tuple(methods.PARTIAL_DTYPES), default="f32")
   p.add_argument("--expert-padding", type=int, default=1)
-  p.add_argument("--identity-dequantize", choices=jm.quantization.DEQUANTIZE_IMPLEMENTATIONS,
+  p.add_argument("--identity-dequantize", choices=peers.IDENTITY_DEQUANTIZE_CHOICES,
                  default="xla", help="jm.dequantize_fp8's implementation in every method's "
                  "identity expert (fp8 rows): xla (its default) or auto (the CUDA kernel on a GPU)")
   p.add_argument("--routing", choices=ROUTINGS, default="uniform")

@@ -29,6 +29,7 @@ def _wire_rows(shape: Shape, x) -> tuple[jax.Array, jax.Array | None]:
 # implementation of jm.dequantize_fp8 in every method's identity expert: "xla" (XLA's fusion,
 # jm.dequantize_fp8's default) or "auto" (the CUDA kernel on a GPU);
 # bench_dispatch_combine.py and profile_kernels.py --identity-dequantize
+IDENTITY_DEQUANTIZE_CHOICES = ("xla", "auto")
 IDENTITY_DEQUANTIZE = "xla"
 
 
