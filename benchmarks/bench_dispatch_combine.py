@@ -64,8 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--partial-dtype", choices=tuple(methods.PARTIAL_DTYPES), default="f32")
   p.add_argument("--expert-padding", type=int, default=1)
   p.add_argument("--identity-dequantize", choices=peers.IDENTITY_DEQUANTIZE_CHOICES,
-                 default="xla", help="jm.dequantize_fp8's implementation in every method's "
-                 "identity expert (fp8 rows): xla (its default) or auto (the CUDA kernel on a GPU)")
+                 default=peers.IDENTITY_DEQUANTIZE, help="jm.dequantize_fp8's implementation in "
+                 "every method's identity expert (fp8 rows): auto (its default: the CUDA kernel "
+                 "on a GPU) or xla (XLA's fusion)")
   p.add_argument("--routing", choices=ROUTINGS, default="uniform")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--backends", type=_csv(), default=None,

@@ -26,11 +26,11 @@ def _wire_rows(shape: Shape, x) -> tuple[jax.Array, jax.Array | None]:
   return jax.lax.bitcast_convert_type(q, jnp.uint8), scales
 
 
-# implementation of jm.dequantize_fp8 in every method's identity expert: "xla" (XLA's fusion,
-# jm.dequantize_fp8's default) or "auto" (the CUDA kernel on a GPU);
+# implementation of jm.dequantize_fp8 in every method's identity expert: "auto" (the CUDA
+# kernel on a GPU, jm.dequantize_fp8's default) or "xla" (XLA's fusion);
 # bench_dispatch_combine.py and profile_kernels.py --identity-dequantize
-IDENTITY_DEQUANTIZE_CHOICES = ("xla", "auto")
-IDENTITY_DEQUANTIZE = "xla"
+IDENTITY_DEQUANTIZE_CHOICES = ("auto", "xla")
+IDENTITY_DEQUANTIZE = "auto"
 
 
 def identity_expert(rows: jax.Array, scales: jax.Array | None) -> jax.Array:

@@ -52,7 +52,8 @@ def parse_args():
   p.add_argument("--num-sms", type=int, default=None,
                  help="MoEConfig.num_sms: blocks of the cuda kernels (default: every SM)")
   p.add_argument("--iters", type=int, default=20)
-  p.add_argument("--identity-dequantize", choices=peers.IDENTITY_DEQUANTIZE_CHOICES, default="xla",
+  p.add_argument("--identity-dequantize", choices=peers.IDENTITY_DEQUANTIZE_CHOICES,
+                 default=peers.IDENTITY_DEQUANTIZE,
                  help="jm.dequantize_fp8's implementation in the identity expert (fp8 rows)")
   p.add_argument("--stages", action="store_true",
                  help="also print per-block stage times of the NVLink kernels (cuda backend)")

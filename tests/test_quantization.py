@@ -131,10 +131,13 @@ def test_dequantize_inverts_quantize_within_fp8_precision(rng):
 
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
 def test_dequantize_implementations_agree_here(dtype, rng):
-    """"auto" and "xla" give the spec's bits on this machine's devices (on a GPU "auto" is the
-    kernel: tests/gpu/test_dequantize_gpu.py), also batched by vmap (its gradient: below)."""
+    """The default ("auto"), "auto" and "xla" give the spec's bits on this machine's devices (on
+    a GPU "auto" is the kernel: tests/gpu/test_dequantize_gpu.py), also batched by vmap (its
+    gradient: below)."""
     q, scales = ref.quantize_fp8(_blocks_of(rng, np.float32), 128)
     want = ref.dequantize_fp8(q, scales, dtype=np.dtype(dtype))
+    default = jax.jit(lambda a, b: jm.dequantize_fp8(a, b, dtype))(q, scales)
+    assert_bitwise_equal(np.asarray(default), want, "dequantize_fp8 (default)")
     for impl in ("auto", "xla"):
         got = jax.jit(lambda a, b: jm.dequantize_fp8(a, b, dtype, implementation=impl))(q, scales)
         assert_bitwise_equal(np.asarray(got), want, f"dequantize_fp8 ({impl})")

@@ -63,6 +63,8 @@ def test_auto_takes_the_kernel_on_gpu_and_not_otherwise(rng):
     q, scales = _inputs(rng, (8, 256), 128)
     text = lambda impl, dtype: jax.jit(lambda a, b: jm.dequantize_fp8(
         a, b, dtype, implementation=impl)).lower(q, scales).as_text()
+    default = jax.jit(lambda a, b: jm.dequantize_fp8(a, b, jnp.bfloat16)).lower(q, scales)
+    assert "jax_moe_dequantize_fp8" in default.as_text()  # "auto" is the default
     assert "jax_moe_dequantize_fp8" in text("auto", jnp.bfloat16)
     assert "jax_moe_dequantize_fp8" not in text("xla", jnp.bfloat16)
     assert "jax_moe_dequantize_fp8" not in text("auto", jnp.float16)  # not a kernel dtype
