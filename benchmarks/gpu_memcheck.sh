@@ -13,6 +13,9 @@
 #         expert with padding), and two world-1 cases of fused kernels against the halves (one
 #         chunk of 1200 slots, fp8 + expert; more chunks than SMs, bf16 + source with expert
 #         padding 16): every kernel, no peer
+#   dequant  jm.dequantize_fp8's kernel (jm.dequantize_fp8's default on a GPU) on the six shapes
+#         of tests/gpu/test_dequantize_gpu.py (odd leading dims, a part-full last block, the
+#         smallest vector)
 #   ep2   one axis_size=2 case (split calls, expert combine, bf16 partials): writes to the peer
 #         GPU. If the sanitizer runs the two devices' kernels one after the other, the first
 #         exchange ends in TIMEOUT (the test fails) and the summary still counts memory errors.
@@ -45,8 +48,9 @@ nodes() {
       parity axis_size=1,dispatch=bf16,combine_reduce=expert,expert_padding=16
       world1 fp8-expert-1-1-300
       world1 bf16-source-16-300-64 ;;
+    dequant) echo "tests/gpu/test_dequantize_gpu.py::test_kernel_matches_spec_and_xla_bitwise" ;;
     ep2) parity axis_size=2,dispatch=bf16,combine_reduce=expert,partial_dtype=bfloat16,split=True ;;
-    *) echo "unknown step $1 (steps: ep1 race1 ep2)" >&2; return 2 ;;
+    *) echo "unknown step $1 (steps: ep1 race1 dequant ep2)" >&2; return 2 ;;
   esac
 }
 
@@ -117,6 +121,7 @@ for step in "${steps[@]}"; do
   case $step in
     ep1) check ep1 280 60 "${step_nodes[@]}" ;;
     race1) TOOL=racecheck check race1 280 60 "${step_nodes[@]}" ;;
+    dequant) check dequant 150 60 "${step_nodes[@]}" ;;
     ep2) check ep2 260 60 "${step_nodes[@]}" ;;
   esac
 done
