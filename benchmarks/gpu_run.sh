@@ -31,7 +31,11 @@
 #   floor    on one GPU: write_floor.py (the world-1 prefill dispatch's bytes through vendor and
 #            triton kernels: fill, copy, gather, scatter, rows_*), then profile_kernels.py per
 #            kernel at prefill (fp8, expert, bf16 partials, fused): the dispatch against its
-#            floor on the same machine (issue 12's <= 100 us; measured on an H100 only so far)
+#            floor on the same machine (issue 12's <= 100 us)
+#   tail     on one GPU: the world-1 prefill fp8 dispatch's profile and stage clocks at 4096
+#            tokens (132 chunks: 4 of 32 tokens, 128 of 31), 4092 (132 x 31) and 3960 (132 x
+#            30), and at 4096 on 128 blocks (all 32): whether the blocks with one token more
+#            set the kernel's end (then a placement balanced across blocks would take ~3% off)
 #   hmem     whether this machine's libfabric grants FI_HMEM (CUDA memory) with shm and
 #            tcp;ofi_rxm: the TransferEngine's facts, or the provider's refusal
 #   proxy1   bench_host_remote.py --platform cuda --gpus 1 (2 processes share GPU 0 through their
@@ -233,6 +237,36 @@ for step in "${steps[@]}"; do
         --json "$logs/floor_ep1_4096_fused.json" > "$logs/floor_ep1_4096_fused.log" 2>&1
       echo "floor ep1 4096 tokens fused: rc=$?"
       grep -E "busy span|us x" "$logs/floor_ep1_4096_fused.log" | head -6 ;;
+    tail)
+      for run in "4096" "4092" "3960" "4096 --num-sms 128"; do
+        file=$logs/tail_${run// /_}
+        # shellcheck disable=SC2086
+        timeout -s KILL 90 python3 benchmarks/profile_kernels.py --ep 1 --tokens $run \
+          --dispatch-dtype fp8 --reduce expert --partial-dtype bf16 --stages \
+          --json "$file.json" > "$file.log" 2>&1
+        echo "tail ep1 --tokens $run: rc=$?"
+        grep -E "busy span|dispatch_local|^  (counts_seen|ranked|recv_done) " "$file.log" | head -5
+        # the dispatch's recv_done by its block's token count (chunk c: tokens
+        # [T c / chunks, T (c + 1) / chunks), one chunk a block here)
+        python3 - "$file.json" <<'PY'
+import json, sys
+import numpy as np
+d = json.load(open(sys.argv[1]))
+T = d["config"]["tokens"]
+for kernel, marks in d["stages"].items():
+    if "dispatch" not in kernel or "recv_done" not in marks:
+        continue
+    done = marks["recv_done"]["per_block_us"]
+    n = len(done)
+    by = {}
+    for c, t in enumerate(done):
+        if t is not None:
+            by.setdefault(T * (c + 1) // n - T * c // n, []).append(t)
+    print("  recv_done by tokens a block: " + ", ".join(
+        f"{k}: {len(v)} blocks, median {np.median(v):.1f}, max {max(v):.1f}"
+        for k, v in sorted(by.items())))
+PY
+      done ;;
     models_mp) suite models_multiprocess 420 -s -rs tests/gpu/test_models_multiprocess.py ;;
     hmem) hmem_facts ;;
     proxy1)

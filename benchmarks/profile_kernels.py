@@ -141,8 +141,11 @@ def stage_table(clocks: dict, fused: bool) -> dict:
         origin = send0[send0 > 0].min() if (mark in SEND_MARKS or fused) else \
             recv0[recv0 > 0].min()
         us = (hit - origin) / 1e3
+        # per block (block order; None where the block did not reach the mark)
+        per_block = [float((t - origin) / 1e3) if t > 0 else None for t in ns]
         rows[mark] = dict(blocks=int(hit.size), min_us=float(us.min()),
-                          median_us=float(np.median(us)), max_us=float(us.max()))
+                          median_us=float(np.median(us)), max_us=float(us.max()),
+                          per_block_us=per_block)
         print(f"  {mark:12s} {us.min():8.1f} {np.median(us):8.1f} {us.max():8.1f}"
               f"   ({hit.size} blocks)")
       out[f"{ordinal}/{kernel}"] = rows
